@@ -1,0 +1,110 @@
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+
+#include "bn_finalize.h"
+#include "geometry.h"
+#include "sample_sums.h"
+
+namespace fused_ops {
+
+// How the within-sample sum of squares of the conv output is computed in
+// training mode (docs/math.md §3).
+enum class EnergyAlgo { Direct, SlicedConv };
+
+// The tensors behind SampleSums: x_red [B, Ci, J] and w_red [Ci, Cog, 1 or J], double.
+struct SampleSumTensors {
+  at::Tensor x_red, w_red;
+  SampleSums view(const ConvGeometry& g) const;
+};
+
+// Tensors and scalars of the finalize step (see FinalizeArgs).
+struct FinalizeInputs {
+  SampleSumTensors sums;
+  at::Tensor energy;  // [B, Co, splits] double, undefined in eval
+  at::Tensor bias, gamma, beta, running_mean, running_var;  // undefined when absent
+  double scale, momentum, eps;
+  bool batch_stats;
+};
+
+// What differs between devices; the orchestration in ct_bn_pool.cpp is shared.
+struct Backend {
+  // [B, Ci, J] double partial sums of each x[b, ci] over D, H, W (x contiguous).
+  at::Tensor (*spatial_sum)(const at::Tensor& x);
+  // [Ci, Cog, 1] double sums of each weight[ci, co] over its taps.
+  at::Tensor (*weight_sum)(const at::Tensor& weight);
+  // [B, Co, splits] double within-sample centred sums of squares of the conv
+  // output, computed by the direct kernel from x and the packed weight.
+  at::Tensor (*energy_direct)(const at::Tensor& x, const at::Tensor& packed_weight,
+                              const SampleSumTensors& sums, const ConvGeometry& g);
+  // Writes out [B, Co] and, in training, updates the running stats.
+  void (*finalize)(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
+  // The algorithm "auto" picks on this device for this problem.
+  EnergyAlgo (*auto_energy_algo)(const ConvGeometry& g);
+};
+
+// Device-independent pieces, written with ATen ops.
+// [B, Ci, taps] double: sums of x over the boxes whose taps land inside the
+// cropped output (docs/math.md §2.2); used when padding > 0.
+at::Tensor box_sums(const at::Tensor& x, const ConvGeometry& g);
+// [B, Co, 1] double energy via ATen's convolution over slices of the batch
+// (docs/math.md §3.2).
+at::Tensor energy_sliced_conv(const at::Tensor& x, const at::Tensor& weight, const ConvGeometry& g);
+// The weight as the direct kernel reads it (see conv_transpose_point.h).
+at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);
+
+at::Tensor ct_bn_pool_forward(const Backend& backend, const at::Tensor& x, const at::Tensor& weight,
+                              const c10::optional<at::Tensor>& bias, double scale,
+                              const c10::optional<at::Tensor>& bn_weight,
+                              const c10::optional<at::Tensor>& bn_bias,
+                              const c10::optional<at::Tensor>& running_mean,
+                              const c10::optional<at::Tensor>& running_var, bool training,
+                              double momentum, double eps, at::IntArrayRef stride,
+                              at::IntArrayRef padding, at::IntArrayRef output_padding,
+                              at::IntArrayRef dilation, int64_t groups, c10::string_view algo);
+
+// The op's kernel on one device: what TORCH_LIBRARY_IMPL registers.
+template <const Backend& backend>
+at::Tensor ct_bn_pool_kernel(const at::Tensor& x, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& bias, double scale,
+                             const c10::optional<at::Tensor>& bn_weight,
+                             const c10::optional<at::Tensor>& bn_bias,
+                             const c10::optional<at::Tensor>& running_mean,
+                             const c10::optional<at::Tensor>& running_var, bool training,
+                             double momentum, double eps, at::IntArrayRef stride,
+                             at::IntArrayRef padding, at::IntArrayRef output_padding,
+                             at::IntArrayRef dilation, int64_t groups, c10::string_view algo) {
+  return ct_bn_pool_forward(backend, x, weight, bias, scale, bn_weight, bn_bias, running_mean,
+                            running_var, training, momentum, eps, stride, padding, output_padding,
+                            dilation, groups, algo);
+}
+
+// Typed view of FinalizeInputs for one dtype.
+template <typename scalar_t>
+FinalizeArgs<scalar_t> finalize_args(const FinalizeInputs& in, const ConvGeometry& g,
+                                     at::Tensor& out) {
+  auto ptr = [](const at::Tensor& t) -> scalar_t* {
+    return t.defined() ? t.data_ptr<scalar_t>() : nullptr;
+  };
+  FinalizeArgs<scalar_t> a;
+  a.sums = in.sums.view(g);
+  a.energy = in.energy.defined() ? in.energy.data_ptr<double>() : nullptr;
+  a.splits = in.energy.defined() ? in.energy.size(2) : 0;
+  a.bias = ptr(in.bias);
+  a.gamma = ptr(in.gamma);
+  a.beta = ptr(in.beta);
+  a.running_mean = ptr(in.running_mean);
+  a.running_var = ptr(in.running_var);
+  a.out = out.data_ptr<scalar_t>();
+  a.batch = g.batch;
+  a.channels = g.out_channels;
+  a.spatial = g.out_spatial();
+  a.scale = in.scale;
+  a.momentum = in.momentum;
+  a.eps = in.eps;
+  a.batch_stats = in.batch_stats;
+  return a;
+}
+
+}  // namespace fused_ops

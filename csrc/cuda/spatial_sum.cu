@@ -1,0 +1,106 @@
+// Per-(b, ci) sums of x over D, H, W (docs/math.md §2): the only pass over x in
+// eval mode, so it is written to run at memory bandwidth: 16-byte loads,
+// kUnroll of them in flight per thread, one block per row (or per part of a row
+// when there are too few rows to fill the GPU), double accumulation.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cub/block/block_reduce.cuh>
+
+#include "cuda/kernels.h"
+
+namespace fused_ops {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;
+
+template <typename scalar_t>
+struct Vec16;  // 16 bytes of scalar_t
+template <>
+struct Vec16<float> {
+  using type = float4;
+  static constexpr int n = 4;
+  __device__ static double sum(const float4& v) {
+    return (double(v.x) + double(v.y)) + (double(v.z) + double(v.w));
+  }
+};
+template <>
+struct Vec16<double> {
+  using type = double2;
+  static constexpr int n = 2;
+  __device__ static double sum(const double2& v) { return v.x + v.y; }
+};
+
+// Block i sums part (i % parts) of row (i / parts) of x viewed as [rows, len];
+// a part is `chunk` elements, a multiple of the vector width.
+template <typename scalar_t, bool kVector>
+__global__ void __launch_bounds__(kThreads)
+    spatial_sum_kernel(const scalar_t* __restrict__ x, int64_t len, int64_t chunk, int64_t parts,
+                       double* __restrict__ out) {
+  using V = Vec16<scalar_t>;
+  const int64_t block = blockIdx.x;
+  const int64_t row = block / parts, begin = (block % parts) * chunk;
+  const int64_t end = std::min(len, begin + chunk);
+  const scalar_t* p = x + row * len;
+  double acc = 0;
+  if (kVector) {
+    const auto* pv = reinterpret_cast<const typename V::type*>(p);
+    const int64_t vend = end / V::n;
+    for (int64_t i = begin / V::n + threadIdx.x; i < vend; i += kThreads * kUnroll) {
+      typename V::type v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t k = i + u * kThreads;
+        v[u] = k < vend ? __ldg(pv + k) : typename V::type{};
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) acc += V::sum(v[u]);
+    }
+  } else {
+    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) acc += static_cast<double>(p[i]);
+  }
+  using BlockReduce = cub::BlockReduce<double, kThreads>;
+  __shared__ typename BlockReduce::TempStorage tmp;
+  const double total = BlockReduce(tmp).Sum(acc);
+  if (threadIdx.x == 0) out[block] = total;
+}
+
+}  // namespace
+
+at::Tensor spatial_sum_cuda(const at::Tensor& x) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0) * x.size(1), len = x.size(2) * x.size(3) * x.size(4);
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int vec = 16 / static_cast<int>(x.element_size());
+  // Enough rows fill the GPU with one block each; fewer rows are split into
+  // parts of at least one vector per thread.
+  int64_t parts = 1;
+  if (rows < 4 * sms) {
+    const int64_t most = std::max<int64_t>(1, len / (kThreads * vec));
+    parts = std::min(most, (8 * sms + rows - 1) / rows);
+  }
+  int64_t chunk = (len + parts - 1) / parts;
+  chunk = (chunk + vec - 1) / vec * vec;
+  parts = (len + chunk - 1) / chunk;
+  TORCH_CHECK(rows * parts < (int64_t(1) << 31), "ct_bn_pool: x has too many (batch, channel) rows (",
+              rows, ") for one launch");
+  auto out = at::empty({x.size(0), x.size(1), parts}, x.options().dtype(at::kDouble));
+  const bool vector_ok = len % vec == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "spatial_sum_cuda", [&] {
+    const auto* xp = x.data_ptr<scalar_t>();
+    auto* op = out.data_ptr<double>();
+    if (vector_ok) {
+      spatial_sum_kernel<scalar_t, true><<<rows * parts, kThreads, 0, stream>>>(xp, len, chunk, parts, op);
+    } else {
+      spatial_sum_kernel<scalar_t, false><<<rows * parts, kThreads, 0, stream>>>(xp, len, chunk, parts, op);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace fused_ops

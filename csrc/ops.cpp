@@ -1,0 +1,45 @@
+// Declares the operator schema and its autograd behaviour, and makes this
+// library importable as the Python module fused_ops._C.
+#include <Python.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "fused_ops_build_info.h"  // written by setup.py
+
+extern "C" {
+// Importing fused_ops._C loads the library, whose static initializers register
+// the ops; the module itself is empty.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace fused_ops {
+namespace {
+
+std::string build_info() { return FUSED_OPS_BUILD_INFO; }
+
+}  // namespace
+
+TORCH_LIBRARY(fused_ops, m) {
+  m.def(
+      "ct_bn_pool(Tensor x, Tensor weight, Tensor? bias, float scale, Tensor? bn_weight, "
+      "Tensor? bn_bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, bool training, "
+      "float momentum=0.1, float eps=1e-05, *, int[3] stride=1, int[3] padding=0, "
+      "int[3] output_padding=0, int[3] dilation=1, int groups=1, str algo=\"auto\") -> Tensor");
+  m.def("build_info() -> str", &build_info);
+}
+
+// Forward only: a backward through the op raises instead of returning wrong
+// gradients, and in-place writes to the running stats bump their versions.
+TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
+  m.impl("ct_bn_pool", torch::autograd::autogradNotImplementedFallback());
+}
+TORCH_LIBRARY_IMPL(fused_ops, ADInplaceOrView, m) {
+  m.impl("ct_bn_pool", torch::autograd::autogradNotImplementedInplaceOrViewFallback());
+}
+
+}  // namespace fused_ops

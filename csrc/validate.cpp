@@ -1,0 +1,121 @@
+#include "validate.h"
+
+#include <string>
+
+namespace fused_ops {
+namespace {
+
+void check_same_kind(const at::Tensor& t, const char* name, const at::Tensor& x) {
+  TORCH_CHECK(t.device() == x.device(), "ct_bn_pool: ", name, " must be on the same device as x (",
+              x.device(), "), got ", t.device());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "ct_bn_pool: ", name,
+              " must have the same dtype as x (", x.scalar_type(), "), got ", t.scalar_type());
+}
+
+void check_channel_vector(const c10::optional<at::Tensor>& t, const char* name, int64_t channels,
+                          const at::Tensor& x) {
+  if (!t.has_value() || !t->defined()) return;
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == channels, "ct_bn_pool: ", name,
+              " must have shape [", channels, "] (one value per output channel), got ",
+              t->sizes());
+  check_same_kind(*t, name, x);
+}
+
+void check_triple(at::IntArrayRef v, const char* name, int64_t min_value) {
+  TORCH_CHECK(v.size() == 3, "ct_bn_pool: ", name, " must have 3 values (D, H, W), got ", v);
+  for (int64_t e : v) {
+    TORCH_CHECK_VALUE(e >= min_value, "ct_bn_pool: ", name, " must be >= ", min_value,
+                      " in every dimension, got ", v);
+  }
+}
+
+bool present(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+}  // namespace
+
+ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
+                             const c10::optional<at::Tensor>& bias,
+                             const c10::optional<at::Tensor>& bn_weight,
+                             const c10::optional<at::Tensor>& bn_bias,
+                             const c10::optional<at::Tensor>& running_mean,
+                             const c10::optional<at::Tensor>& running_var, bool training, double eps,
+                             at::IntArrayRef stride, at::IntArrayRef padding,
+                             at::IntArrayRef output_padding, at::IntArrayRef dilation,
+                             int64_t groups) {
+  TORCH_CHECK(x.dim() == 5, "ct_bn_pool: x must be a 5-D tensor [B, C_in, D, H, W], got ", x.dim(),
+              "-D with shape ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
+              "ct_bn_pool: x must be float32 or float64, got ", x.scalar_type());
+  TORCH_CHECK(x.numel() > 0, "ct_bn_pool: x must be non-empty, got shape ", x.sizes());
+  TORCH_CHECK(weight.dim() == 5,
+              "ct_bn_pool: weight must be a 5-D ConvTranspose3d weight [C_in, C_out/groups, kD, kH, "
+              "kW], got shape ",
+              weight.sizes());
+  check_same_kind(weight, "weight", x);
+  TORCH_CHECK_VALUE(groups >= 1, "ct_bn_pool: groups must be >= 1, got ", groups);
+  TORCH_CHECK(weight.size(0) == x.size(1), "ct_bn_pool: weight.size(0) must equal x.size(1) = ",
+              x.size(1), " (input channels), got weight shape ", weight.sizes());
+  TORCH_CHECK_VALUE(x.size(1) % groups == 0, "ct_bn_pool: input channels (", x.size(1),
+                    ") must be divisible by groups (", groups, ")");
+  TORCH_CHECK(weight.numel() > 0, "ct_bn_pool: weight must be non-empty, got shape ",
+              weight.sizes());
+  check_triple(stride, "stride", 1);
+  check_triple(padding, "padding", 0);
+  check_triple(output_padding, "output_padding", 0);
+  check_triple(dilation, "dilation", 1);
+
+  ConvGeometry g;
+  g.batch = x.size(0);
+  g.in_channels = x.size(1);
+  g.groups = groups;
+  g.out_channels = weight.size(1) * groups;
+  for (int d = 0; d < 3; ++d) {
+    g.in_size[d] = x.size(2 + d);
+    g.kernel[d] = weight.size(2 + d);
+    g.stride[d] = stride[d];
+    g.padding[d] = padding[d];
+    g.dilation[d] = dilation[d];
+    g.output_padding[d] = output_padding[d];
+    TORCH_CHECK_VALUE(output_padding[d] < stride[d] || output_padding[d] < dilation[d],
+                      "ct_bn_pool: output_padding must be smaller than either stride or dilation, "
+                      "got output_padding ",
+                      output_padding, ", stride ", stride, ", dilation ", dilation);
+    g.out_size[d] = conv_transpose_out_size(g.in_size[d], g.kernel[d], g.stride[d], g.padding[d],
+                                            g.dilation[d], g.output_padding[d]);
+    TORCH_CHECK(g.out_size[d] >= 1, "ct_bn_pool: the conv-transpose output would be empty (size ",
+                g.out_size[d], " in spatial dim ", d, "): padding ", padding,
+                " is too large for input ", x.sizes(), " and kernel ", weight.sizes());
+  }
+
+  check_channel_vector(bias, "bias", g.out_channels, x);
+  check_channel_vector(bn_weight, "bn_weight", g.out_channels, x);
+  check_channel_vector(bn_bias, "bn_bias", g.out_channels, x);
+  check_channel_vector(running_mean, "running_mean", g.out_channels, x);
+  check_channel_vector(running_var, "running_var", g.out_channels, x);
+  TORCH_CHECK_VALUE(present(running_mean) == present(running_var),
+                    "ct_bn_pool: running_mean and running_var must be given together or both be "
+                    "None");
+  TORCH_CHECK_VALUE(training || present(running_mean),
+                    "ct_bn_pool: training=False normalizes with running statistics, so "
+                    "running_mean and running_var are required (pass training=True for batch "
+                    "statistics)");
+  TORCH_CHECK_VALUE(eps >= 0, "ct_bn_pool: eps must be >= 0, got ", eps);
+  if (training) {
+    TORCH_CHECK_VALUE(g.batch * g.out_spatial() > 1,
+                      "ct_bn_pool: Expected more than 1 value per channel when training, got ",
+                      g.batch * g.out_spatial(), " (batch ", g.batch, " x output size ",
+                      g.out_size[0], "x", g.out_size[1], "x", g.out_size[2], ")");
+  }
+  return g;
+}
+
+EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, const ConvGeometry& g) {
+  if (algo == "auto") return backend.auto_energy_algo(g);
+  if (algo == "direct") return EnergyAlgo::Direct;
+  if (algo == "sliced_conv") return EnergyAlgo::SlicedConv;
+  TORCH_CHECK_VALUE(false, "ct_bn_pool: algo must be one of 'auto', 'direct', 'sliced_conv', got '",
+                    std::string(algo), "'");
+  return EnergyAlgo::Direct;
+}
+
+}  // namespace fused_ops

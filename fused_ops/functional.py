@@ -1,0 +1,82 @@
+"""The functional form of the fused operator."""
+import numbers
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+IntOrTriple = Union[int, Sequence[int]]
+
+def _triple(value: IntOrTriple, name: str) -> list:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value] * 3
+    items = list(value)
+    if len(items) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise ValueError(f"ct_bn_pool: {name} must be an int or 3 ints (D, H, W), got {value!r}")
+    return items
+
+
+def ct_bn_pool(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    scale: float,
+    bn_weight: Optional[Tensor],
+    bn_bias: Optional[Tensor],
+    running_mean: Optional[Tensor],
+    running_var: Optional[Tensor],
+    training: bool,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    *,
+    stride: IntOrTriple = 1,
+    padding: IntOrTriple = 0,
+    output_padding: IntOrTriple = 0,
+    dilation: IntOrTriple = 1,
+    groups: int = 1,
+    algo: str = "auto",
+) -> Tensor:
+    r"""``adaptive_avg_pool3d(batch_norm(scale * conv_transpose3d(x, weight, bias, ...)), 1)``.
+
+    Computes the pooled output, shape ``[B, C_out, 1, 1, 1]``, without forming the
+    convolution output (``docs/math.md``). Results match PyTorch's modules to the
+    rounding of ``x``'s dtype.
+
+    Args:
+        x: input ``[B, C_in, D, H, W]``, float32 or float64.
+        weight: ConvTranspose3d weight ``[C_in, C_out / groups, kD, kH, kW]``.
+        bias: conv bias ``[C_out]`` or None.
+        scale: the Python number the conv output is multiplied by.
+        bn_weight, bn_bias: BatchNorm affine parameters ``[C_out]`` or None (``affine=False``).
+        running_mean, running_var: BatchNorm running statistics ``[C_out]``, or None for
+            ``track_running_stats=False``. Updated in place when ``training`` is True.
+        training: True normalizes with the batch statistics (biased variance over
+            ``B * Do * Ho * Wo`` values per channel) and updates the running statistics;
+            False normalizes with the running statistics, which are then required.
+        momentum: running-stat update factor, as ``F.batch_norm``'s (for
+            ``momentum=None`` in a module pass ``1 / num_batches_tracked``).
+        eps: added to the variance; must be >= 0.
+        stride, padding, output_padding, dilation: ConvTranspose3d options, an int or 3 ints.
+        groups: ConvTranspose3d groups.
+        algo: how training mode gets the per-channel variance: ``"auto"`` (default;
+            picked per device and problem), ``"direct"`` (our kernel, computes the conv
+            output in registers and never stores it) or ``"sliced_conv"`` (ATen's
+            convolution, TF32 off, over slices of the batch of at most 64 MiB of output).
+            Eval mode needs no convolution and ignores it.
+
+    Raises:
+        RuntimeError: for mismatched shapes, dtypes or devices.
+        ValueError: for bad values (negative eps, unknown ``algo``, training with one value
+            per channel, ...). Nothing is modified by a rejected call.
+
+    The op has no autograd formula: calling ``backward`` through it raises.
+    """
+    if not isinstance(scale, numbers.Real):
+        raise TypeError(f"ct_bn_pool: scale must be a Python number, got {type(scale).__name__}")
+    return torch.ops.fused_ops.ct_bn_pool(
+        x, weight, bias, float(scale), bn_weight, bn_bias, running_mean, running_var,
+        bool(training), float(momentum), float(eps),
+        stride=_triple(stride, "stride"), padding=_triple(padding, "padding"),
+        output_padding=_triple(output_padding, "output_padding"),
+        dilation=_triple(dilation, "dilation"), groups=int(groups), algo=algo,
+    )
