@@ -227,7 +227,7 @@ def one_call(module: nn.Module, x: torch.Tensor, dtype=None):
 
 def build_modules(dims, device):
     """The reference (default init) and the fused module loaded with its state_dict."""
-    batch, ci, co, _, _, _, k = dims
+    _, ci, co, _, _, _, k = dims
     ref = Reference(ci, co, k, SCALE).to(device)
     bn = ref.batch_norm
     # Non-trivial BatchNorm state, so eval mode does not just see mean 0 / var 1. The bias
@@ -441,6 +441,8 @@ def parse_args():
     parser.add_argument("--algos", default="auto", help="train-mode algos of the fused op")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but CUDA is not available")
     known = {**CUDA_PROBLEMS, **CPU_PROBLEMS}
     default = CUDA_PROBLEMS if args.device == "cuda" else CPU_PROBLEMS
     names = parse_list(args.problems, known, "problem") if args.problems else list(default)

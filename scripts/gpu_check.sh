@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one call of the device tool (CI has no GPU):
+# build against the machine's torch, run the CUDA tests, compute-sanitizer and
+# the benchmark. Logs go to $OUT (default /tmp/gpu_check).
+#   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [bench-full]   (default: all but bench-full)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+REPO=$(pwd)
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
+steps=${*:-build test sanitize bench}
+status=0
+
+step() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
+want() { [[ " $steps " == *" $1 "* ]]; }
+
+if want build; then
+  step build
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  if ! python3 -m pip install --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1; then
+    tail -60 "$OUT/build.log"
+    exit 1
+  fi
+  (cd /tmp && python3 -m fused_ops) 2>&1 | tee "$OUT/main.txt"
+fi
+if want test; then
+  step test
+  # From /tmp so the installed package, not the source tree, is imported.
+  (cd /tmp && python3 -m pytest "$REPO/tests" -q -p no:cacheprovider -rf) >"$OUT/pytest.log" 2>&1 || status=1
+  tail -15 "$OUT/pytest.log"
+fi
+if want sanitize; then
+  step sanitize
+  for tool in memcheck racecheck; do
+    (cd /tmp && timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 "$REPO/scripts/sanitize_cases.py") \
+      >"$OUT/sanitizer-$tool.log" 2>&1 || status=1
+    tail -3 "$OUT/sanitizer-$tool.log"
+  done
+fi
+if want bench; then
+  step bench
+  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed --no-compile \
+    --algos auto,direct,sliced_conv --out "$OUT") 2>&1 | tee "$OUT/bench-seed.log" | tail -20 || status=1
+fi
+if want bench-full; then
+  step bench-full
+  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --out "$OUT") 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+fi
+step "done, status $status"
+exit $status

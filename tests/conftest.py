@@ -1,0 +1,103 @@
+"""Shared test helpers: the unfused reference pattern and problem generators."""
+import copy
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch import nn
+
+import fused_ops
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]
+
+
+class Reference(nn.Module):
+    """The pattern as users write it (the reference for every test)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, scale_factor, eps=1e-5,
+                 momentum=0.1, conv_kwargs=None, bn_kwargs=None):
+        super().__init__()
+        self.conv_transpose = nn.ConvTranspose3d(in_channels, out_channels, kernel_size,
+                                                 **(conv_kwargs or {}))
+        self.scale_factor = scale_factor
+        self.batch_norm = nn.BatchNorm3d(out_channels, eps=eps, momentum=momentum,
+                                         **(bn_kwargs or {}))
+        self.global_avg_pool = nn.AdaptiveAvgPool3d((1, 1, 1))
+
+    def forward(self, x):
+        return self.global_avg_pool(self.batch_norm(self.conv_transpose(x) * self.scale_factor))
+
+
+@dataclass
+class Problem:
+    batch: int
+    in_channels: int
+    out_channels: int
+    size: tuple
+    kernel: tuple
+    scale: float = 2.0
+    conv_kwargs: dict = field(default_factory=dict)
+    bn_kwargs: dict = field(default_factory=dict)
+    eps: float = 1e-5
+    momentum: float = 0.1
+
+    def ids(self):
+        return (f"B{self.batch}-Ci{self.in_channels}-Co{self.out_channels}-"
+                f"{'x'.join(map(str, self.size))}-k{'x'.join(map(str, self.kernel))}-s{self.scale}"
+                + "".join(f"-{k}{v}" for k, v in {**self.conv_kwargs, **self.bn_kwargs}.items()))
+
+
+def relerr(out, ref):
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert torch.isfinite(out).all(), "non-finite values in the output"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def randomize(ref):
+    """Non-trivial BN parameters and running stats (fresh random, never zeros)."""
+    bn = ref.batch_norm
+    with torch.no_grad():
+        if bn.affine:
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.normal_()
+        if bn.track_running_stats:
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+    return ref
+
+
+def make_models(p: Problem, dtype=torch.float32, device="cpu", algo="auto"):
+    """(float64 CPU reference, fused module with the same parameters on device/dtype)."""
+    ref = Reference(p.in_channels, p.out_channels, p.kernel, p.scale, p.eps, p.momentum,
+                    p.conv_kwargs, p.bn_kwargs)
+    randomize(ref)
+    ref = ref.double()
+    fused = fused_ops.ConvTransposeBNPool3d(
+        p.in_channels, p.out_channels, p.kernel, p.scale, p.eps, p.momentum, algo=algo,
+        **p.conv_kwargs, **p.bn_kwargs)
+    fused.load_state_dict(ref.state_dict())
+    return ref, fused.to(device=device, dtype=dtype)
+
+
+def make_input(p: Problem, dtype=torch.float32, device="cpu"):
+    return torch.randn(p.batch, p.in_channels, *p.size, dtype=dtype, device=device)
+
+
+def random_problems(count, seed, **fixed):
+    """Random small problems with odd sizes and non-cubic kernels."""
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(count):
+        kernel = tuple(rng.choice([1, 2, 3, 4, 5]) for _ in range(3))
+        size = tuple(rng.randint(1, 9) for _ in range(3))
+        problems.append(Problem(
+            batch=rng.randint(1, 5), in_channels=rng.randint(1, 7),
+            out_channels=rng.randint(1, 20), size=size, kernel=kernel,
+            scale=rng.choice([2.0, -1.5, 0.37, 3.0]), **fixed))
+    return problems
+
+
+def clone_state(module):
+    return copy.deepcopy(module.state_dict())

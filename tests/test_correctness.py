@@ -1,0 +1,111 @@
+"""The fused op against the unfused PyTorch modules, run in float64."""
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICES, Problem, make_input, make_models, random_problems, relerr
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-6}
+DTYPES = [torch.float64, torch.float32]
+
+SPECIAL = [
+    Problem(2, 8, 16, (4, 6, 5), (3, 3, 3)),
+    Problem(3, 4, 37, (3, 4, 5), (2, 3, 4)),  # channels not a multiple of the direct kernel's tile
+    Problem(3, 4, 5, (3, 4, 5), (1, 1, 1)),  # kernel 1
+    Problem(1, 3, 4, (2, 3, 4), (2, 2, 2)),  # batch 1
+    Problem(2, 3, 4, (5, 2, 3), (3, 1, 2), scale=-0.75),  # negative scale
+    Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(stride=2)),
+    Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(padding=1)),
+    Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(stride=2, output_padding=1)),
+    Problem(2, 4, 6, (3, 4, 5), (2, 3, 2), conv_kwargs=dict(dilation=(2, 1, 3))),
+    Problem(2, 6, 9, (3, 4, 5), (2, 3, 2), conv_kwargs=dict(groups=3)),
+    Problem(3, 4, 6, (4, 3, 5), (3, 2, 3), conv_kwargs=dict(
+        stride=(1, 2, 3), padding=(1, 0, 2), output_padding=(0, 1, 2), dilation=(2, 1, 1),
+        groups=2)),
+    Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(bias=False)),
+    Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), bn_kwargs=dict(affine=False)),
+    Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), eps=1e-3, momentum=0.5),
+]
+EVAL_PROBLEMS = SPECIAL + [Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), eps=0.0)] + random_problems(
+    10, seed=1)
+# Training needs more than one value per channel.
+TRAIN_PROBLEMS = SPECIAL + [
+    p for p in random_problems(10, seed=2)
+    if p.batch * math.prod(s + k - 1 for s, k in zip(p.size, p.kernel)) > 1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("problem", EVAL_PROBLEMS, ids=Problem.ids)
+def test_eval_matches_reference(problem, dtype, device):
+    ref, fused = make_models(problem, dtype, device)
+    ref.eval()
+    fused.eval()
+    x = make_input(problem, dtype, device)
+    with torch.no_grad():
+        out = fused(x)
+        expected = ref(x.double().cpu())
+    assert out.shape == expected.shape and out.dtype == dtype and out.device == x.device
+    assert relerr(out, expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("problem", TRAIN_PROBLEMS, ids=Problem.ids)
+def test_train_matches_reference_over_steps(problem, dtype, algo, device):
+    ref, fused = make_models(problem, dtype, device, algo=algo)
+    ref.train()
+    fused.train()
+    tol = TOLERANCE[dtype]
+    for _ in range(3):
+        x = make_input(problem, dtype, device)
+        with torch.no_grad():
+            out = fused(x)
+            expected = ref(x.double().cpu())
+        assert out.shape == expected.shape and out.dtype == dtype
+        assert relerr(out, expected) <= tol
+    fbn, rbn = fused.batch_norm, ref.batch_norm
+    if rbn.track_running_stats:
+        assert relerr(fbn.running_mean, rbn.running_mean) <= tol
+        assert relerr(fbn.running_var, rbn.running_var) <= tol
+        assert int(fbn.num_batches_tracked) == int(rbn.num_batches_tracked) == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_momentum_none_is_cumulative_average(device):
+    p = Problem(3, 4, 6, (3, 4, 5), (2, 3, 2), momentum=None)
+    ref, fused = make_models(p, torch.float64, device)
+    for mode in ["train", "train", "eval", "train"]:
+        ref.train(mode == "train")
+        fused.train(mode == "train")
+        x = make_input(p, torch.float64, device)
+        with torch.no_grad():
+            assert relerr(fused(x), ref(x.cpu())) <= 1e-10
+    assert relerr(fused.batch_norm.running_mean, ref.batch_norm.running_mean) <= 1e-10
+    assert relerr(fused.batch_norm.running_var, ref.batch_norm.running_var) <= 1e-10
+    assert int(fused.batch_norm.num_batches_tracked) == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [True, False])
+def test_untracked_running_stats_use_batch_stats(training, device):
+    p = Problem(3, 4, 6, (3, 4, 5), (2, 3, 2), bn_kwargs=dict(track_running_stats=False))
+    ref, fused = make_models(p, torch.float64, device)
+    ref.train(training)
+    fused.train(training)
+    x = make_input(p, torch.float64, device)
+    with torch.no_grad():
+        assert relerr(fused(x), ref(x.cpu())) <= 1e-10
+    assert fused.batch_norm.running_mean is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_large_channel_mean_is_not_cancelled(device):
+    """Inputs with a large common offset: the variance must not cancel."""
+    p = Problem(4, 5, 6, (4, 5, 6), (3, 3, 3))
+    ref, fused = make_models(p, torch.float32, device)
+    x = make_input(p, torch.float32, device) + 50.0
+    with torch.no_grad():
+        assert relerr(fused(x), ref(x.double().cpu())) <= 1e-5

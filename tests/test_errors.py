@@ -1,0 +1,90 @@
+"""Bad input gets a clear error before anything is mutated."""
+import pytest
+import torch
+
+import fused_ops
+from conftest import DEVICES, Problem, make_input, make_models
+
+P = Problem(2, 4, 6, (3, 4, 5), (2, 3, 2))
+
+
+def arguments(device):
+    _, fused = make_models(P, torch.float32, device)
+    bn, conv = fused.batch_norm, fused.conv_transpose
+    return dict(x=make_input(P, torch.float32, device), weight=conv.weight.detach(),
+                bias=conv.bias.detach(), scale=2.0, bn_weight=bn.weight.detach(),
+                bn_bias=bn.bias.detach(), running_mean=bn.running_mean,
+                running_var=bn.running_var, training=True, momentum=0.1, eps=1e-5)
+
+
+def one_value_per_channel(a):
+    a["x"] = a["x"][:1, :, :1, :1, :1].contiguous()
+    a["weight"] = a["weight"][:, :, :1, :1, :1].contiguous()
+
+
+CASES = {
+    "x_4d": (lambda a: a.update(x=a["x"][0]), RuntimeError, "x must be a 5-D tensor"),
+    "x_int": (lambda a: a.update(x=a["x"].to(torch.int32)), RuntimeError, "float32 or float64"),
+    "x_half": (lambda a: a.update(x=a["x"].half()), RuntimeError, "float32 or float64"),
+    "x_empty": (lambda a: a.update(x=a["x"][:0]), RuntimeError, "non-empty"),
+    "weight_4d": (lambda a: a.update(weight=a["weight"][0]), RuntimeError, "weight must be a 5-D"),
+    "weight_channels": (lambda a: a.update(weight=a["weight"][:3]), RuntimeError,
+                        r"weight.size\(0\) must equal x.size\(1\)"),
+    "weight_dtype": (lambda a: a.update(weight=a["weight"].double()), RuntimeError,
+                     "weight must have the same dtype as x"),
+    "bias_shape": (lambda a: a.update(bias=a["bias"][:5]), RuntimeError, r"bias must have shape \[6\]"),
+    "bn_weight_shape": (lambda a: a.update(bn_weight=a["bn_weight"][:5]), RuntimeError, "bn_weight"),
+    "bn_bias_dtype": (lambda a: a.update(bn_bias=a["bn_bias"].double()), RuntimeError, "bn_bias"),
+    "running_mean_shape": (lambda a: a.update(running_mean=torch.zeros(7, device=a["x"].device)),
+                           RuntimeError, "running_mean"),
+    "running_var_missing": (lambda a: a.update(running_var=None), ValueError, "together"),
+    "negative_eps": (lambda a: a.update(eps=-1e-3), ValueError, "eps must be >= 0"),
+    "zero_eps_training": (lambda a: a.update(eps=0.0), ValueError, "eps must be positive"),
+    "one_value_per_channel": (one_value_per_channel, ValueError, "more than 1 value per channel"),
+    "eval_without_running_stats": (lambda a: a.update(training=False, running_mean=None,
+                                                      running_var=None),
+                                   ValueError, "running_mean and running_var are required"),
+    "groups_not_dividing": (lambda a: a.update(groups=3), ValueError, "divisible by groups"),
+    "stride_zero": (lambda a: a.update(stride=0), ValueError, "stride must be >= 1"),
+    "stride_length": (lambda a: a.update(stride=(1, 2)), ValueError, "stride must be an int or 3"),
+    "negative_padding": (lambda a: a.update(padding=-1), ValueError, "padding must be >= 0"),
+    "output_padding_too_large": (lambda a: a.update(output_padding=1), ValueError,
+                                 "output_padding must be smaller"),
+    "padding_empties_output": (lambda a: a.update(padding=5), RuntimeError, "output would be empty"),
+    "unknown_algo": (lambda a: a.update(algo="fft"), ValueError, "algo must be one of"),
+    "tensor_scale": (lambda a: a.update(scale=torch.tensor(2.0)), TypeError, "scale must be"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_rejected_call_mutates_nothing(case, device):
+    a = arguments(device)
+    mutate, error, message = CASES[case]
+    mean, var = a["running_mean"].clone(), a["running_var"].clone()
+    kept_mean, kept_var = a["running_mean"], a["running_var"]
+    mutate(a)
+    with pytest.raises(error, match=message):
+        fused_ops.ct_bn_pool(**a)
+    assert torch.equal(kept_mean, mean) and torch.equal(kept_var, var)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch_is_rejected():
+    a = arguments("cuda")
+    a["weight"] = a["weight"].cpu()
+    mean = a["running_mean"].clone()
+    with pytest.raises(RuntimeError, match="weight must be on the same device as x"):
+        fused_ops.ct_bn_pool(**a)
+    assert torch.equal(a["running_mean"], mean)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rejected_module_call_does_not_count_a_batch(device):
+    _, fused = make_models(P, torch.float32, device)
+    fused.train()
+    state = {k: v.clone() for k, v in fused.state_dict().items()}
+    with pytest.raises(RuntimeError, match="5-D"):
+        fused(make_input(P, torch.float32, device)[0])
+    for key, value in fused.state_dict().items():
+        assert torch.equal(value, state[key]), key

@@ -1,0 +1,86 @@
+"""ConvTransposeBNPool3d as a drop-in replacement for the unfused pattern."""
+import pytest
+import torch
+from torch import nn
+
+import fused_ops
+from conftest import DEVICES, Problem, Reference, make_input, make_models, randomize, relerr
+
+P = Problem(3, 4, 6, (3, 4, 5), (2, 3, 2))
+
+
+def test_state_dict_loads_both_ways():
+    ref = randomize(Reference(4, 6, 3, 2.0))
+    fused = fused_ops.ConvTransposeBNPool3d(4, 6, 3, 2.0)
+    fused.load_state_dict(ref.state_dict())
+    back = Reference(4, 6, 3, 2.0)
+    back.load_state_dict(fused.state_dict())
+    for key, value in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[key], value), key
+    assert set(fused.state_dict()) == set(ref.state_dict())
+
+
+def test_from_modules_shares_parameters_and_buffers():
+    conv, bn = nn.ConvTranspose3d(4, 6, 3), nn.BatchNorm3d(6)
+    fused = fused_ops.ConvTransposeBNPool3d.from_modules(conv, 2.0, bn)
+    assert fused.conv_transpose is conv and fused.batch_norm is bn
+    fused.train()
+    fused(torch.randn(2, 4, 3, 3, 3))
+    assert int(bn.num_batches_tracked) == 1
+    assert not torch.equal(bn.running_mean, torch.zeros(6))
+    with torch.no_grad():
+        conv.weight.mul_(2)  # an in-place change is seen by the fused module
+    assert fused.conv_transpose.weight.data_ptr() == conv.weight.data_ptr()
+
+
+def test_from_modules_rejects_mismatched_modules():
+    with pytest.raises(ValueError, match="features"):
+        fused_ops.ConvTransposeBNPool3d.from_modules(nn.ConvTranspose3d(4, 6, 3), 2.0,
+                                                     nn.BatchNorm3d(5))
+    with pytest.raises(TypeError, match="ConvTranspose3d"):
+        fused_ops.ConvTransposeBNPool3d.from_modules(nn.Conv3d(4, 6, 3), 2.0, nn.BatchNorm3d(6))
+    with pytest.raises(TypeError, match="scale_factor"):
+        fused_ops.ConvTransposeBNPool3d.from_modules(nn.ConvTranspose3d(4, 6, 3),
+                                                     torch.tensor(2.0), nn.BatchNorm3d(6))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_train_eval_switching_follows_reference(device):
+    ref, fused = make_models(P, torch.float64, device)
+    for mode in ["train", "eval", "train", "train", "eval"]:
+        ref.train(mode == "train")
+        fused.train(mode == "train")
+        x = make_input(P, torch.float64, device)
+        with torch.no_grad():
+            assert relerr(fused(x), ref(x.cpu())) <= 1e-10, mode
+    assert int(fused.batch_norm.num_batches_tracked) == 3
+    assert relerr(fused.batch_norm.running_var, ref.batch_norm.running_var) <= 1e-10
+
+
+def test_running_stats_are_updated_in_place():
+    _, fused = make_models(P, torch.float32)
+    mean, var = fused.batch_norm.running_mean, fused.batch_norm.running_var
+    before = mean.clone(), var.clone()
+    fused.train()
+    fused(make_input(P))
+    assert fused.batch_norm.running_mean is mean and fused.batch_norm.running_var is var
+    assert not torch.equal(mean, before[0]) and not torch.equal(var, before[1])
+
+
+def test_eval_leaves_running_stats_alone():
+    _, fused = make_models(P, torch.float32)
+    fused.eval()
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    fused(make_input(P))
+    for key, value in fused.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_module_options_are_passed_through():
+    fused = fused_ops.ConvTransposeBNPool3d(
+        4, 6, 3, 0.5, eps=1e-3, momentum=0.2, stride=2, padding=1, output_padding=1, groups=2,
+        bias=False, dilation=1, affine=False, track_running_stats=True, algo="direct")
+    assert fused.conv_transpose.stride == (2, 2, 2) and fused.conv_transpose.bias is None
+    assert fused.batch_norm.weight is None and fused.batch_norm.eps == 1e-3
+    assert "algo='direct'" in repr(fused)
+    assert fused(torch.randn(2, 4, 3, 3, 3)).shape == (2, 6, 1, 1, 1)

@@ -1,0 +1,70 @@
+"""The op under PyTorch's tooling: opcheck, FakeTensor, torch.compile, autograd."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fused_ops
+from conftest import DEVICES, Problem, make_input, make_models, relerr
+
+P = Problem(2, 4, 6, (3, 4, 5), (2, 3, 2))
+OP = torch.ops.fused_ops.ct_bn_pool.default
+
+
+def op_arguments(device, training, conv=None):
+    _, fused = make_models(P, torch.float32, device)
+    bn, c = fused.batch_norm, fused.conv_transpose
+    args = (make_input(P, torch.float32, device), c.weight.detach(), c.bias.detach(), 2.0,
+            bn.weight.detach(), bn.bias.detach(), bn.running_mean, bn.running_var, training,
+            0.1, 1e-5)
+    return args, conv or {}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("conv", [{}, dict(stride=[2, 1, 2], padding=[1, 0, 1],
+                                           output_padding=[1, 0, 0], dilation=[1, 2, 1])])
+def test_opcheck(conv, training, device):
+    args, kwargs = op_arguments(device, training, conv)
+    torch.library.opcheck(OP, args, kwargs)
+
+
+def test_fake_tensor_gives_the_output_shape():
+    args, _ = op_arguments("cpu", True)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        out = OP(*fake, groups=2)
+    assert tuple(out.shape) == (2, 12, 1, 1, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [True, False])
+def test_compiled_module_matches_eager(training, device):
+    torch._dynamo.reset()
+    _, eager = make_models(P, torch.float32, device)
+    _, compiled_module = make_models(P, torch.float32, device)
+    compiled_module.load_state_dict(eager.state_dict())
+    eager.train(training)
+    compiled_module.train(training)
+    compiled = torch.compile(compiled_module, fullgraph=True)
+    for _ in range(2):
+        x = make_input(P, torch.float32, device)
+        with torch.no_grad():
+            assert relerr(compiled(x), eager(x)) <= 1e-6
+    for key, value in eager.state_dict().items():
+        if value.is_floating_point():
+            assert relerr(compiled_module.state_dict()[key], value) <= 1e-6, key
+    assert int(compiled_module.batch_norm.num_batches_tracked) == (2 if training else 0)
+
+
+def test_backward_raises_instead_of_returning_wrong_gradients():
+    _, fused = make_models(P, torch.float32)
+    x = make_input(P).requires_grad_()
+    out = fused(x)
+    with pytest.raises(RuntimeError, match="not implemented"):
+        out.sum().backward()
+
+
+def test_build_info_reports_the_build():
+    info = fused_ops.build_info()
+    assert info["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert "cuda_archs" in info
