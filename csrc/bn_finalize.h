@@ -26,26 +26,27 @@ struct FinalizeArgs {
 };
 
 // Finalizes channel c (docs/math.md §3 and §4). Work over the batch is split as
-// b = first, first + step, ...; `block_sum` must return the sum of its argument
-// over all participants of the split (identity on the CPU, a block reduction on
-// CUDA) and is called the same number of times by each of them.
+// b = first, first + step, ...; `sample_sum(b)` gives a.sums.conv_sum(b, c)
+// (the CUDA kernel precomputes them cooperatively); `block_sum` must return the
+// sum of its argument over all participants of the split (identity on the CPU, a
+// block reduction on CUDA) and is called the same number of times by each.
 #if defined(__CUDACC__)
-#pragma nv_exec_check_disable  // BlockSum is a device lambda on CUDA, a host one on the CPU
+#pragma nv_exec_check_disable  // the callables are device lambdas on CUDA, host ones on the CPU
 #endif
-template <typename scalar_t, typename BlockSum>
+template <typename scalar_t, typename SampleSum, typename BlockSum>
 FO_HD void finalize_channel(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t first, int64_t step,
-                            BlockSum block_sum) {
+                            SampleSum sample_sum, BlockSum block_sum) {
   const double n_sp = static_cast<double>(a.spatial);
   const double count = static_cast<double>(a.batch) * n_sp;
   const double bias = a.bias ? static_cast<double>(a.bias[c]) : 0.0;
   double shift, var_z;  // z's per-sample mean minus shift is the centred value
   if (a.batch_stats) {
     double s = 0;
-    for (int64_t b = first; b < a.batch; b += step) s += a.sums.conv_sum(b, c);
+    for (int64_t b = first; b < a.batch; b += step) s += sample_sum(b);
     const double mu = block_sum(s) / count;  // batch mean of the conv output, bias excluded
     double q = 0;
     for (int64_t b = first; b < a.batch; b += step) {
-      const double d = a.sums.conv_sum(b, c) / n_sp - mu;
+      const double d = sample_sum(b) / n_sp - mu;
       q += n_sp * d * d;
       const double* e = a.energy + (b * a.channels + c) * a.splits;
       for (int64_t k = 0; k < a.splits; ++k) q += e[k];
@@ -67,7 +68,7 @@ FO_HD void finalize_channel(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t 
   const double gamma = a.gamma ? static_cast<double>(a.gamma[c]) : 1.0;
   const double beta = a.beta ? static_cast<double>(a.beta[c]) : 0.0;
   for (int64_t b = first; b < a.batch; b += step) {
-    const double z_mean = a.scale * a.sums.conv_sum(b, c) / n_sp;
+    const double z_mean = a.scale * sample_sum(b) / n_sp;
     a.out[b * a.channels + c] = static_cast<scalar_t>((z_mean - shift) * inv_std * gamma + beta);
   }
 }

@@ -18,16 +18,22 @@ struct SampleSums {
   int64_t w_part_stride;
   int64_t in_channels, in_group_channels, out_group_channels;
 
-  FO_HD double conv_sum(int64_t b, int64_t co) const {
+  // Part of the contraction for (b, co): terms k = first, first + step, ... of
+  // the Cig * J terms, so several threads can share one sum.
+  FO_HD double conv_sum_part(int64_t b, int64_t co, int64_t first, int64_t step) const {
     const int64_t group = co / out_group_channels, co_g = co % out_group_channels;
+    const int64_t terms = in_group_channels * parts, w_parts = w_part_stride ? parts : 1;
+    const double* xr = x_red + (b * in_channels + group * in_group_channels) * parts;
+    const double* wr = w_red + (group * in_group_channels * out_group_channels + co_g) * w_parts;
     double s = 0;
-    for (int64_t ci = group * in_group_channels; ci < (group + 1) * in_group_channels; ++ci) {
-      const double* xr = x_red + (b * in_channels + ci) * parts;
-      const double* wr = w_red + (ci * out_group_channels + co_g) * (w_part_stride ? parts : 1);
-      for (int64_t j = 0; j < parts; ++j) s += xr[j] * wr[j * w_part_stride];
+    for (int64_t k = first; k < terms; k += step) {
+      const int64_t ci = k / parts, j = k % parts;  // ci within the group
+      s += xr[k] * wr[ci * out_group_channels * w_parts + j * w_part_stride];
     }
     return s;
   }
+
+  FO_HD double conv_sum(int64_t b, int64_t co) const { return conv_sum_part(b, co, 0, 1); }
 };
 
 }  // namespace fused_ops

@@ -2,7 +2,8 @@
 # Everything that needs the GPU, in one call of the device tool (CI has no GPU):
 # build against the machine's torch, run the CUDA tests, compute-sanitizer and
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
-#   scripts/gpu_check.sh [build] [test] [sanitize] [bench] [bench-full]   (default: all but bench-full)
+#   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [bench] [bench-full]
+# (default: build test sanitize bench)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -27,9 +28,12 @@ if want build; then
 fi
 if want test; then
   step test
-  # From /tmp so the installed package, not the source tree, is imported.
-  (cd /tmp && python3 -m pytest "$REPO/tests" -q -p no:cacheprovider -rf) >"$OUT/pytest.log" 2>&1 || status=1
-  tail -15 "$OUT/pytest.log"
+  # From /tmp so the installed package, not the source tree, is imported; one
+  # file at a time so that a crash in one does not hide the others' results.
+  for f in "$REPO"/tests/test_*.py; do
+    (cd /tmp && python3 -m pytest "$f" -v -p no:cacheprovider -rfE --tb=short) >>"$OUT/pytest.log" 2>&1 || status=1
+  done
+  grep -E "^(FAILED|ERROR)|Fatal|passed|failed" "$OUT/pytest.log" | tail -30
 fi
 if want sanitize; then
   step sanitize
@@ -38,6 +42,10 @@ if want sanitize; then
       >"$OUT/sanitizer-$tool.log" 2>&1 || status=1
     tail -3 "$OUT/sanitizer-$tool.log"
   done
+fi
+if want profile; then
+  step profile
+  (cd /tmp && python3 "$REPO/scripts/profile_seed.py" eval && python3 "$REPO/scripts/profile_seed.py" train) 2>&1 | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-150 || status=1
 fi
 if want bench; then
   step bench

@@ -72,7 +72,9 @@ void finalize_cpu(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& o
     const auto args = finalize_args<scalar_t>(in, g, out);
     at::parallel_for(0, g.out_channels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
-        finalize_channel(args, c, /*first=*/0, /*step=*/1, [](double v) { return v; });
+        finalize_channel(
+            args, c, /*first=*/0, /*step=*/1, [&](int64_t b) { return args.sums.conv_sum(b, c); },
+            [](double v) { return v; });
       }
     });
   });

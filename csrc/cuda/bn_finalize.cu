@@ -1,12 +1,15 @@
 // BN finalize (docs/math.md §3-§4): one block per output channel reduces the
 // per-sample means and energies to the batch statistics, updates the running
 // stats and writes the pooled output. In eval mode it is the only kernel after
-// the two reductions, so the tiny [B, Ci] x [Ci, Co] contraction happens here.
+// the two reductions, so the tiny [B, Ci] x [Ci, Co] contraction happens here,
+// one warp per sample: a single thread per dot product would leave the whole
+// kernel waiting on one chain of dependent loads.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cub/block/block_reduce.cuh>
+#include <cub/warp/warp_reduce.cuh>
 
 #include "cuda/kernels.h"
 
@@ -15,8 +18,23 @@ namespace {
 
 constexpr int kThreads = 128;
 
+constexpr int kWarps = kThreads / 32;
+
+// sample_sums: [Co, B] scratch for this channel's per-sample conv sums.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads) bn_finalize_kernel(const FinalizeArgs<scalar_t> a) {
+__global__ void __launch_bounds__(kThreads)
+    bn_finalize_kernel(const FinalizeArgs<scalar_t> a, double* __restrict__ sample_sums) {
+  const int64_t c = blockIdx.x;
+  double* sums = sample_sums + c * a.batch;
+  using WarpReduce = cub::WarpReduce<double>;
+  __shared__ typename WarpReduce::TempStorage warp_tmp[kWarps];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t b = warp; b < a.batch; b += kWarps) {
+    const double s = WarpReduce(warp_tmp[warp]).Sum(a.sums.conv_sum_part(b, c, lane, 32));
+    if (lane == 0) sums[b] = s;
+  }
+  __syncthreads();
+
   using BlockReduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename BlockReduce::TempStorage tmp;
   __shared__ double total;
@@ -28,7 +46,8 @@ __global__ void __launch_bounds__(kThreads) bn_finalize_kernel(const FinalizeArg
     __syncthreads();  // tmp and total are reused by the next call
     return result;
   };
-  finalize_channel(a, blockIdx.x, threadIdx.x, kThreads, block_sum);
+  finalize_channel(
+      a, c, threadIdx.x, kThreads, [&](int64_t b) { return sums[b]; }, block_sum);
 }
 
 }  // namespace
@@ -36,9 +55,10 @@ __global__ void __launch_bounds__(kThreads) bn_finalize_kernel(const FinalizeArg
 void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(out.device());
   TORCH_CHECK(g.out_channels < (int64_t(1) << 31), "ct_bn_pool: too many output channels");
+  auto sample_sums = at::empty({g.out_channels, g.batch}, out.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "bn_finalize_cuda", [&] {
     bn_finalize_kernel<scalar_t><<<g.out_channels, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        finalize_args<scalar_t>(in, g, out));
+        finalize_args<scalar_t>(in, g, out), sample_sums.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

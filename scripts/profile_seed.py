@@ -1,0 +1,20 @@
+"""Per-kernel GPU times of the fused op on the seed problem (torch.profiler), for tuning."""
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fused_ops
+
+mode = sys.argv[1] if len(sys.argv) > 1 else "eval"
+m = fused_ops.ConvTransposeBNPool3d(64, 128, 5, 2.0).cuda().train(mode == "train")
+xs = [torch.randn(16, 64, 16, 32, 32, device="cuda") for _ in range(6)]
+with torch.no_grad():
+    for x in xs:
+        m(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(30 if mode == "eval" else 3):
+            m(xs[i % len(xs)])
+        torch.cuda.synchronize()
+print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
