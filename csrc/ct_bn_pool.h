@@ -30,10 +30,10 @@ struct FinalizeInputs {
 
 // What differs between devices; the orchestration in ct_bn_pool.cpp is shared.
 struct Backend {
-  // [B, Ci, J] double partial sums of each x[b, ci] over D, H, W (x contiguous).
-  at::Tensor (*spatial_sum)(const at::Tensor& x);
-  // [Ci, Cog, 1] double sums of each weight[ci, co] over its taps.
-  at::Tensor (*weight_sum)(const at::Tensor& weight);
+  // For padding 0 (x, weight contiguous): x_red [B, Ci, J], J partial sums of
+  // each x[b, ci] over D, H, W, and w_red [Ci, Cog, 1], each weight[ci, co]
+  // summed over its taps; double.
+  SampleSumTensors (*sample_sums)(const at::Tensor& x, const at::Tensor& weight);
   // [B, Co, splits] double within-sample centred sums of squares of the conv
   // output, computed by the direct kernel from x and the packed weight.
   at::Tensor (*energy_direct)(const at::Tensor& x, const at::Tensor& packed_weight,

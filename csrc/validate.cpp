@@ -99,10 +99,9 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
                     "ct_bn_pool: training=False normalizes with running statistics, so "
                     "running_mean and running_var are required (pass training=True for batch "
                     "statistics)");
-  TORCH_CHECK_VALUE(eps >= 0, "ct_bn_pool: eps must be >= 0, got ", eps);
+  // As F.batch_norm (torch 2.11 refuses eps <= 0 in both modes, 2.14 in training).
+  TORCH_CHECK_VALUE(eps > 0, "ct_bn_pool: eps must be positive, got ", eps);
   if (training) {
-    // As F.batch_norm: with batch statistics a zero eps can divide by a zero variance.
-    TORCH_CHECK_VALUE(eps > 0, "ct_bn_pool: eps must be positive when training, got ", eps);
     TORCH_CHECK_VALUE(g.batch * g.out_spatial() > 1,
                       "ct_bn_pool: Expected more than 1 value per channel when training, got ",
                       g.batch * g.out_spatial(), " (batch ", g.batch, " x output size ",

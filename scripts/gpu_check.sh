@@ -26,6 +26,11 @@ if want build; then
   fi
   (cd /tmp && python3 -m fused_ops) 2>&1 | tee "$OUT/main.txt"
 fi
+if want debug; then
+  step debug
+  for how in cpu_kernel op; do (cd /tmp && python3 "$REPO/scripts/repro_error_path.py" $how; echo "rc $?"); done
+  (cd /tmp && timeout 120 cuda-gdb -batch -ex run -ex bt --args python3 "$REPO/scripts/repro_error_path.py" op) 2>&1 | grep -v "^\[" | tail -45
+fi
 if want test; then
   step test
   # From /tmp so the installed package, not the source tree, is imported; one

@@ -13,12 +13,9 @@
 namespace fused_ops {
 namespace {
 
-at::Tensor spatial_sum_cpu(const at::Tensor& x) {
-  return x.sum({2, 3, 4}, /*keepdim=*/false, at::kDouble).unsqueeze(2);
-}
-
-at::Tensor weight_sum_cpu(const at::Tensor& weight) {
-  return weight.flatten(2).sum({2}, /*keepdim=*/true, at::kDouble);
+SampleSumTensors sample_sums_cpu(const at::Tensor& x, const at::Tensor& weight) {
+  return {x.sum({2, 3, 4}, /*keepdim=*/false, at::kDouble).unsqueeze(2),
+          weight.flatten(2).sum({2}, /*keepdim=*/true, at::kDouble)};
 }
 
 template <typename scalar_t>
@@ -84,7 +81,7 @@ void finalize_cpu(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& o
 // (docs/performance.md), so it is the CPU's default.
 EnergyAlgo auto_energy_algo_cpu(const ConvGeometry&) { return EnergyAlgo::SlicedConv; }
 
-const Backend kCpuBackend = {spatial_sum_cpu, weight_sum_cpu, energy_direct_cpu, finalize_cpu,
+const Backend kCpuBackend = {sample_sums_cpu, energy_direct_cpu, finalize_cpu,
                              auto_energy_algo_cpu};
 
 }  // namespace

@@ -1,7 +1,7 @@
 // BN finalize (docs/math.md §3-§4): one block per output channel reduces the
 // per-sample means and energies to the batch statistics, updates the running
 // stats and writes the pooled output. In eval mode it is the only kernel after
-// the two reductions, so the tiny [B, Ci] x [Ci, Co] contraction happens here,
+// the reduction launch, so the tiny [B, Ci] x [Ci, Co] contraction happens here,
 // one warp per sample: a single thread per dot product would leave the whole
 // kernel waiting on one chain of dependent loads.
 #include <ATen/cuda/CUDAContext.h>
@@ -16,7 +16,7 @@
 namespace fused_ops {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 
 constexpr int kWarps = kThreads / 32;
 

@@ -9,7 +9,7 @@ namespace {
 
 EnergyAlgo auto_energy_algo_cuda(const ConvGeometry&) { return EnergyAlgo::SlicedConv; }
 
-const Backend kCudaBackend = {spatial_sum_cuda, weight_sum_cuda, energy_direct_cuda, finalize_cuda,
+const Backend kCudaBackend = {sample_sums_cuda, energy_direct_cuda, finalize_cuda,
                               auto_energy_algo_cuda};
 
 }  // namespace

@@ -7,8 +7,7 @@
 
 namespace fused_ops {
 
-at::Tensor spatial_sum_cuda(const at::Tensor& x);
-at::Tensor weight_sum_cuda(const at::Tensor& weight);
+SampleSumTensors sample_sums_cuda(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& packed_weight,
                               const SampleSumTensors& sums, const ConvGeometry& g);
 void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);

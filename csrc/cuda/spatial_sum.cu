@@ -1,7 +1,9 @@
-// Per-(b, ci) sums of x over D, H, W (docs/math.md §2): the only pass over x in
-// eval mode, so it is written to run at memory bandwidth: 16-byte loads,
-// kUnroll of them in flight per thread, one block per row (or per part of a row
-// when there are too few rows to fill the GPU), double accumulation.
+// The reductions behind the per-sample sums (docs/math.md §2), in one launch:
+// per-(b, ci) sums of x over D, H, W, and, in extra blocks, the weight sums
+// (weight_sum.cuh). This is the only pass over x in eval mode, so it is written
+// to run at memory bandwidth: 16-byte loads, kUnroll of them in flight per
+// thread, one block per row (or per part of a row when there are too few rows to
+// fill the GPU), double accumulation.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -10,6 +12,7 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "cuda/kernels.h"
+#include "cuda/weight_sum.cuh"
 
 namespace fused_ops {
 namespace {
@@ -34,14 +37,27 @@ struct Vec16<double> {
   __device__ static double sum(const double2& v) { return v.x + v.y; }
 };
 
-// Block i sums part (i % parts) of row (i / parts) of x viewed as [rows, len];
-// a part is `chunk` elements, a multiple of the vector width.
+struct WeightRows {
+  int64_t rows, len;
+  double* out;
+};
+
+// Block i < x_blocks sums part (i % parts) of row (i / parts) of x viewed as
+// [rows, len]; a part is `chunk` elements, a multiple of the vector width. The
+// blocks after those sum the weight's rows, one warp each.
 template <typename scalar_t, bool kVector>
 __global__ void __launch_bounds__(kThreads)
     spatial_sum_kernel(const scalar_t* __restrict__ x, int64_t len, int64_t chunk, int64_t parts,
-                       double* __restrict__ out) {
+                       int64_t x_blocks, double* __restrict__ out, const scalar_t* __restrict__ w,
+                       const WeightRows w_rows) {
   using V = Vec16<scalar_t>;
   const int64_t block = blockIdx.x;
+  if (block >= x_blocks) {
+    constexpr int kWarps = kThreads / 32;
+    weight_row_sums<scalar_t, kWarps>(w, w_rows.rows, w_rows.len, (block - x_blocks) * kWarps,
+                                      w_rows.out);
+    return;
+  }
   const int64_t row = block / parts, begin = (block % parts) * chunk;
   const int64_t end = std::min(len, begin + chunk);
   const scalar_t* p = x + row * len;
@@ -70,7 +86,7 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-at::Tensor spatial_sum_cuda(const at::Tensor& x) {
+SampleSumTensors sample_sums_cuda(const at::Tensor& x, const at::Tensor& weight) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0) * x.size(1), len = x.size(2) * x.size(3) * x.size(4);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -85,22 +101,25 @@ at::Tensor spatial_sum_cuda(const at::Tensor& x) {
   int64_t chunk = (len + parts - 1) / parts;
   chunk = (chunk + vec - 1) / vec * vec;
   parts = (len + chunk - 1) / chunk;
-  TORCH_CHECK(rows * parts < (int64_t(1) << 31), "ct_bn_pool: x has too many (batch, channel) rows (",
-              rows, ") for one launch");
-  auto out = at::empty({x.size(0), x.size(1), parts}, x.options().dtype(at::kDouble));
+  const WeightRows w_rows{weight.size(0) * weight.size(1),
+                          weight.size(2) * weight.size(3) * weight.size(4), nullptr};
+  const int64_t x_blocks = rows * parts, w_blocks = (w_rows.rows + kThreads / 32 - 1) / (kThreads / 32);
+  TORCH_CHECK(x_blocks + w_blocks < (int64_t(1) << 31),
+              "ct_bn_pool: x or weight has too many rows for one launch");
+  SampleSumTensors sums{at::empty({x.size(0), x.size(1), parts}, x.options().dtype(at::kDouble)),
+                        at::empty({weight.size(0), weight.size(1), 1}, x.options().dtype(at::kDouble))};
+  WeightRows w_out = w_rows;
+  w_out.out = sums.w_red.data_ptr<double>();
   const bool vector_ok = len % vec == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "spatial_sum_cuda", [&] {
-    const auto* xp = x.data_ptr<scalar_t>();
-    auto* op = out.data_ptr<double>();
-    if (vector_ok) {
-      spatial_sum_kernel<scalar_t, true><<<rows * parts, kThreads, 0, stream>>>(xp, len, chunk, parts, op);
-    } else {
-      spatial_sum_kernel<scalar_t, false><<<rows * parts, kThreads, 0, stream>>>(xp, len, chunk, parts, op);
-    }
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "sample_sums_cuda", [&] {
+    auto kernel = vector_ok ? spatial_sum_kernel<scalar_t, true> : spatial_sum_kernel<scalar_t, false>;
+    kernel<<<x_blocks + w_blocks, kThreads, 0, stream>>>(x.data_ptr<scalar_t>(), len, chunk, parts,
+                                                         x_blocks, sums.x_red.data_ptr<double>(),
+                                                         weight.data_ptr<scalar_t>(), w_out);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return out;
+  return sums;
 }
 
 }  // namespace fused_ops
