@@ -29,7 +29,9 @@ fi
 if want debug; then
   step debug
   for how in cpu_kernel op; do (cd /tmp && python3 "$REPO/scripts/repro_error_path.py" $how; echo "rc $?"); done
-  (cd /tmp && timeout 120 cuda-gdb -batch -ex run -ex bt --args python3 "$REPO/scripts/repro_error_path.py" op) 2>&1 | grep -v "^\[" | tail -45
+  (cd /tmp && timeout 120 cuda-gdb -batch -ex "set print frame-arguments none" -ex run -ex "bt 16" \
+    --args python3 "$REPO/scripts/repro_error_path.py" op) >"$OUT/debug.log" 2>&1
+  grep -E "^#|signal|raised" "$OUT/debug.log" | cut -c1-200 | head -30
 fi
 if want test; then
   step test

@@ -1,6 +1,6 @@
 // The reductions behind the per-sample sums (docs/math.md §2), in one launch:
 // per-(b, ci) sums of x over D, H, W, and, in extra blocks, the weight sums
-// (weight_sum.cuh). This is the only pass over x in eval mode, so it is written
+// (weight_sum.cuh), a few rows per block. This is the only pass over x in eval mode, so it is written
 // to run at memory bandwidth: 16-byte loads, kUnroll of them in flight per
 // thread, one block per row (or per part of a row when there are too few rows to
 // fill the GPU), double accumulation.
@@ -38,26 +38,24 @@ struct Vec16<double> {
 };
 
 struct WeightRows {
-  int64_t rows, len;
+  int64_t rows, len, per_block;
   double* out;
 };
 
-// Block i < x_blocks sums part (i % parts) of row (i / parts) of x viewed as
-// [rows, len]; a part is `chunk` elements, a multiple of the vector width. The
-// blocks after those sum the weight's rows, one warp each.
+// Block i sums `per_block` rows of the weight, then part (i % parts) of row
+// (i / parts) of x viewed as [rows, len]; a part is `chunk` elements, a
+// multiple of the vector width.
 template <typename scalar_t, bool kVector>
 __global__ void __launch_bounds__(kThreads)
     spatial_sum_kernel(const scalar_t* __restrict__ x, int64_t len, int64_t chunk, int64_t parts,
-                       int64_t x_blocks, double* __restrict__ out, const scalar_t* __restrict__ w,
+                       double* __restrict__ out, const scalar_t* __restrict__ w,
                        const WeightRows w_rows) {
   using V = Vec16<scalar_t>;
   const int64_t block = blockIdx.x;
-  if (block >= x_blocks) {
-    constexpr int kWarps = kThreads / 32;
-    weight_row_sums<scalar_t, kWarps>(w, w_rows.rows, w_rows.len, (block - x_blocks) * kWarps,
-                                      w_rows.out);
-    return;
-  }
+  const int64_t w_begin = std::min(w_rows.rows, block * w_rows.per_block);
+  weight_row_sums<scalar_t, kThreads / 32>(w, w_rows.len, w_begin,
+                                           std::min(w_rows.rows, w_begin + w_rows.per_block),
+                                           w_rows.out);
   const int64_t row = block / parts, begin = (block % parts) * chunk;
   const int64_t end = std::min(len, begin + chunk);
   const scalar_t* p = x + row * len;
@@ -101,22 +99,21 @@ SampleSumTensors sample_sums_cuda(const at::Tensor& x, const at::Tensor& weight)
   int64_t chunk = (len + parts - 1) / parts;
   chunk = (chunk + vec - 1) / vec * vec;
   parts = (len + chunk - 1) / chunk;
-  const WeightRows w_rows{weight.size(0) * weight.size(1),
-                          weight.size(2) * weight.size(3) * weight.size(4), nullptr};
-  const int64_t x_blocks = rows * parts, w_blocks = (w_rows.rows + kThreads / 32 - 1) / (kThreads / 32);
-  TORCH_CHECK(x_blocks + w_blocks < (int64_t(1) << 31),
-              "ct_bn_pool: x or weight has too many rows for one launch");
+  const int64_t blocks = rows * parts;
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "ct_bn_pool: x has too many (batch, channel) rows (",
+              rows, ") for one launch");
   SampleSumTensors sums{at::empty({x.size(0), x.size(1), parts}, x.options().dtype(at::kDouble)),
                         at::empty({weight.size(0), weight.size(1), 1}, x.options().dtype(at::kDouble))};
-  WeightRows w_out = w_rows;
-  w_out.out = sums.w_red.data_ptr<double>();
+  const int64_t w_rows = weight.size(0) * weight.size(1);
+  const WeightRows w_out{w_rows, weight.size(2) * weight.size(3) * weight.size(4),
+                         (w_rows + blocks - 1) / blocks, sums.w_red.data_ptr<double>()};
   const bool vector_ok = len % vec == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "sample_sums_cuda", [&] {
     auto kernel = vector_ok ? spatial_sum_kernel<scalar_t, true> : spatial_sum_kernel<scalar_t, false>;
-    kernel<<<x_blocks + w_blocks, kThreads, 0, stream>>>(x.data_ptr<scalar_t>(), len, chunk, parts,
-                                                         x_blocks, sums.x_red.data_ptr<double>(),
-                                                         weight.data_ptr<scalar_t>(), w_out);
+    kernel<<<blocks, kThreads, 0, stream>>>(x.data_ptr<scalar_t>(), len, chunk, parts,
+                                            sums.x_red.data_ptr<double>(),
+                                            weight.data_ptr<scalar_t>(), w_out);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return sums;
