@@ -311,14 +311,16 @@ class Setup(NamedTuple):
     x_check: torch.Tensor          # the accuracy check's input
 
 
-def setup_problem(dims, args) -> Setup:
+def setup_problem(name, dims, args) -> Setup:
     batch, ci, _, d, h, w, _ = dims
     shape = (batch, ci, d, h, w)
     ref, fused = build_modules(dims, args.device)
     l2_bytes = 0
     if args.device == "cuda":
         l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_FALLBACK_BYTES
-    return Setup(ref, fused, None if args.no_compile else torch.compile(ref, dynamic=False),
+    compile_it = not args.no_compile and (not args.compile_problems
+                                          or name in args.compile_problems.split(","))
+    return Setup(ref, fused, torch.compile(ref, dynamic=False) if compile_it else None,
                  copy.deepcopy(ref.state_dict()), InputRing(shape, args.device, 3 * l2_bytes),
                  torch.randn(shape, device=args.device))
 
@@ -380,7 +382,7 @@ def bench_problem(name, dims, args, clock, meta) -> List[dict]:
     # automatic dynamic shapes (each problem gets a static-shape graph, as in real use).
     torch._dynamo.reset()
     errors = []
-    setup = attempt(errors, "setup", lambda: setup_problem(dims, args))
+    setup = attempt(errors, "setup", lambda: setup_problem(name, dims, args))
     if setup is None:
         rows = [new_row(name, dims, mode, "auto", meta) for mode in args.modes]
         for row in rows:
@@ -438,6 +440,8 @@ def parse_args():
     parser.add_argument("--modes", default="eval,train")
     parser.add_argument("--reps", type=int, help="timed calls per measurement (default 50 on CUDA, 10 on CPU)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--compile-problems",
+                        help="comma-separated problems that time torch.compile (default: all)")
     parser.add_argument("--algos", default="auto", help="train-mode algos of the fused op")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()

@@ -2,30 +2,32 @@
 
 #include <string>
 
+#include "message.h"
+
 namespace fused_ops {
 namespace {
 
 void check_same_kind(const at::Tensor& t, const char* name, const at::Tensor& x) {
   TORCH_CHECK(t.device() == x.device(), "ct_bn_pool: ", name, " must be on the same device as x (",
-              x.device(), "), got ", t.device());
+              to_str(x.device()), "), got ", to_str(t.device()));
   TORCH_CHECK(t.scalar_type() == x.scalar_type(), "ct_bn_pool: ", name,
-              " must have the same dtype as x (", x.scalar_type(), "), got ", t.scalar_type());
+              " must have the same dtype as x (", to_str(x.scalar_type()), "), got ", to_str(t.scalar_type()));
 }
 
 void check_channel_vector(const c10::optional<at::Tensor>& t, const char* name, int64_t channels,
                           const at::Tensor& x) {
   if (!t.has_value() || !t->defined()) return;
   TORCH_CHECK(t->dim() == 1 && t->size(0) == channels, "ct_bn_pool: ", name,
-              " must have shape [", channels, "] (one value per output channel), got ",
-              t->sizes());
+              " must have shape [", to_str(channels),
+              "] (one value per output channel), got ", to_str(t->sizes()));
   check_same_kind(*t, name, x);
 }
 
 void check_triple(at::IntArrayRef v, const char* name, int64_t min_value) {
-  TORCH_CHECK(v.size() == 3, "ct_bn_pool: ", name, " must have 3 values (D, H, W), got ", v);
+  TORCH_CHECK(v.size() == 3, "ct_bn_pool: ", name, " must have 3 values (D, H, W), got ", to_str(v));
   for (int64_t e : v) {
-    TORCH_CHECK_VALUE(e >= min_value, "ct_bn_pool: ", name, " must be >= ", min_value,
-                      " in every dimension, got ", v);
+    TORCH_CHECK_VALUE(e >= min_value, "ct_bn_pool: ", name, " must be >= ", to_str(min_value),
+                      " in every dimension, got ", to_str(v));
   }
 }
 
@@ -42,23 +44,23 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
                              at::IntArrayRef stride, at::IntArrayRef padding,
                              at::IntArrayRef output_padding, at::IntArrayRef dilation,
                              int64_t groups) {
-  TORCH_CHECK(x.dim() == 5, "ct_bn_pool: x must be a 5-D tensor [B, C_in, D, H, W], got ", x.dim(),
-              "-D with shape ", x.sizes());
+  TORCH_CHECK(x.dim() == 5, "ct_bn_pool: x must be a 5-D tensor [B, C_in, D, H, W], got ",
+              to_str(x.dim()), "-D with shape ", to_str(x.sizes()));
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
-              "ct_bn_pool: x must be float32 or float64, got ", x.scalar_type());
-  TORCH_CHECK(x.numel() > 0, "ct_bn_pool: x must be non-empty, got shape ", x.sizes());
+              "ct_bn_pool: x must be float32 or float64, got ", to_str(x.scalar_type()));
+  TORCH_CHECK(x.numel() > 0, "ct_bn_pool: x must be non-empty, got shape ", to_str(x.sizes()));
   TORCH_CHECK(weight.dim() == 5,
               "ct_bn_pool: weight must be a 5-D ConvTranspose3d weight [C_in, C_out/groups, kD, kH, "
               "kW], got shape ",
-              weight.sizes());
+              to_str(weight.sizes()));
   check_same_kind(weight, "weight", x);
-  TORCH_CHECK_VALUE(groups >= 1, "ct_bn_pool: groups must be >= 1, got ", groups);
+  TORCH_CHECK_VALUE(groups >= 1, "ct_bn_pool: groups must be >= 1, got ", to_str(groups));
   TORCH_CHECK(weight.size(0) == x.size(1), "ct_bn_pool: weight.size(0) must equal x.size(1) = ",
-              x.size(1), " (input channels), got weight shape ", weight.sizes());
-  TORCH_CHECK_VALUE(x.size(1) % groups == 0, "ct_bn_pool: input channels (", x.size(1),
-                    ") must be divisible by groups (", groups, ")");
+              to_str(x.size(1)), " (input channels), got weight shape ", to_str(weight.sizes()));
+  TORCH_CHECK_VALUE(x.size(1) % groups == 0, "ct_bn_pool: input channels (", to_str(x.size(1)),
+                    ") must be divisible by groups (", to_str(groups), ")");
   TORCH_CHECK(weight.numel() > 0, "ct_bn_pool: weight must be non-empty, got shape ",
-              weight.sizes());
+              to_str(weight.sizes()));
   check_triple(stride, "stride", 1);
   check_triple(padding, "padding", 0);
   check_triple(output_padding, "output_padding", 0);
@@ -79,12 +81,14 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK_VALUE(output_padding[d] < stride[d] || output_padding[d] < dilation[d],
                       "ct_bn_pool: output_padding must be smaller than either stride or dilation, "
                       "got output_padding ",
-                      output_padding, ", stride ", stride, ", dilation ", dilation);
+                      to_str(output_padding), ", stride ", to_str(stride), ", dilation ",
+                      to_str(dilation));
     g.out_size[d] = conv_transpose_out_size(g.in_size[d], g.kernel[d], g.stride[d], g.padding[d],
                                             g.dilation[d], g.output_padding[d]);
     TORCH_CHECK(g.out_size[d] >= 1, "ct_bn_pool: the conv-transpose output would be empty (size ",
-                g.out_size[d], " in spatial dim ", d, "): padding ", padding,
-                " is too large for input ", x.sizes(), " and kernel ", weight.sizes());
+                to_str(g.out_size[d]), " in spatial dim ", to_str(int64_t(d)), "): padding ",
+                to_str(padding), " is too large for input ", to_str(x.sizes()), " and kernel ",
+                to_str(weight.sizes()));
   }
 
   check_channel_vector(bias, "bias", g.out_channels, x);
@@ -100,12 +104,12 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
                     "running_mean and running_var are required (pass training=True for batch "
                     "statistics)");
   // As F.batch_norm (torch 2.11 refuses eps <= 0 in both modes, 2.14 in training).
-  TORCH_CHECK_VALUE(eps > 0, "ct_bn_pool: eps must be positive, got ", eps);
+  TORCH_CHECK_VALUE(eps > 0, "ct_bn_pool: eps must be positive, got ", to_str(eps));
   if (training) {
     TORCH_CHECK_VALUE(g.batch * g.out_spatial() > 1,
                       "ct_bn_pool: Expected more than 1 value per channel when training, got ",
-                      g.batch * g.out_spatial(), " (batch ", g.batch, " x output size ",
-                      g.out_size[0], "x", g.out_size[1], "x", g.out_size[2], ")");
+                      to_str(g.batch * g.out_spatial()), " (batch ", to_str(g.batch),
+                      " x output size ", to_str(at::IntArrayRef(g.out_size, 3)), ")");
   }
   return g;
 }

@@ -12,6 +12,7 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "cuda/kernels.h"
+#include "message.h"
 #include "cuda/weight_sum.cuh"
 
 namespace fused_ops {
@@ -42,9 +43,9 @@ struct WeightRows {
   double* out;
 };
 
-// Block i sums `per_block` rows of the weight, then part (i % parts) of row
-// (i / parts) of x viewed as [rows, len]; a part is `chunk` elements, a
-// multiple of the vector width.
+// Block i sums part (i % parts) of row (i / parts) of x viewed as [rows, len],
+// then `per_block` rows of the weight; a part is `chunk` elements, a multiple of
+// the vector width.
 template <typename scalar_t, bool kVector>
 __global__ void __launch_bounds__(kThreads)
     spatial_sum_kernel(const scalar_t* __restrict__ x, int64_t len, int64_t chunk, int64_t parts,
@@ -52,10 +53,6 @@ __global__ void __launch_bounds__(kThreads)
                        const WeightRows w_rows) {
   using V = Vec16<scalar_t>;
   const int64_t block = blockIdx.x;
-  const int64_t w_begin = std::min(w_rows.rows, block * w_rows.per_block);
-  weight_row_sums<scalar_t, kThreads / 32>(w, w_rows.len, w_begin,
-                                           std::min(w_rows.rows, w_begin + w_rows.per_block),
-                                           w_rows.out);
   const int64_t row = block / parts, begin = (block % parts) * chunk;
   const int64_t end = std::min(len, begin + chunk);
   const scalar_t* p = x + row * len;
@@ -80,6 +77,11 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ typename BlockReduce::TempStorage tmp;
   const double total = BlockReduce(tmp).Sum(acc);
   if (threadIdx.x == 0) out[block] = total;
+  // Last, so that the loads of x start at once.
+  const int64_t w_begin = std::min(w_rows.rows, block * w_rows.per_block);
+  weight_row_sums<scalar_t, kThreads / 32>(w, w_rows.len, w_begin,
+                                           std::min(w_rows.rows, w_begin + w_rows.per_block),
+                                           w_rows.out);
 }
 
 }  // namespace
@@ -101,7 +103,7 @@ SampleSumTensors sample_sums_cuda(const at::Tensor& x, const at::Tensor& weight)
   parts = (len + chunk - 1) / chunk;
   const int64_t blocks = rows * parts;
   TORCH_CHECK(blocks < (int64_t(1) << 31), "ct_bn_pool: x has too many (batch, channel) rows (",
-              rows, ") for one launch");
+              to_str(rows), ") for one launch");
   SampleSumTensors sums{at::empty({x.size(0), x.size(1), parts}, x.options().dtype(at::kDouble)),
                         at::empty({weight.size(0), weight.size(1), 1}, x.options().dtype(at::kDouble))};
   const int64_t w_rows = weight.size(0) * weight.size(1);

@@ -1,7 +1,7 @@
 #pragma once
 // Per-(ci, co) sums of the weight over its taps (docs/math.md §2). Rows are
 // short (the taps of one kernel), so one warp sums one row. Each block of the
-// spatial-sum launch (spatial_sum.cu) sums a few rows before its part of x:
+// spatial-sum launch (spatial_sum.cu) sums a few rows after its part of x:
 // reading the weight then overlaps the pass over x instead of costing a launch
 // (or a wave of blocks) of its own.
 #include <cub/warp/warp_reduce.cuh>
