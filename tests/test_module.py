@@ -76,6 +76,21 @@ def test_eval_leaves_running_stats_alone():
         assert torch.equal(value, before[key]), key
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [False, True])
+def test_output_follows_in_place_weight_changes(training, device):
+    """Nothing derived from the weight is cached between calls."""
+    ref, fused = make_models(P, torch.float64, device)
+    ref.train(training)
+    fused.train(training)
+    for _ in range(2):
+        with torch.no_grad():
+            fused.conv_transpose.weight.mul_(-1.5).add_(0.02)
+            ref.conv_transpose.weight.copy_(fused.conv_transpose.weight)
+            x = make_input(P, torch.float64, device)
+            assert relerr(fused(x), ref(x.cpu())) <= 1e-10
+
+
 def test_module_options_are_passed_through():
     fused = fused_ops.ConvTransposeBNPool3d(
         4, 6, 3, 0.5, eps=1e-3, momentum=0.2, stride=2, padding=1, output_padding=1, groups=2,
