@@ -67,6 +67,26 @@ def test_running_stats_are_updated_in_place():
     assert not torch.equal(mean, before[0]) and not torch.equal(var, before[1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_running_stats_are_updated_in_place(device):
+    """Running stats that are views with a stride are written through, not replaced."""
+    ref, fused = make_models(P, torch.float64, device)
+    big = torch.zeros(2 * P.out_channels, 2, dtype=torch.float64, device=device)
+    mean, var = big[:P.out_channels, 0], big[P.out_channels:, 1]
+    mean.copy_(fused.batch_norm.running_mean)
+    var.copy_(fused.batch_norm.running_var)
+    assert not mean.is_contiguous()
+    x = make_input(P, torch.float64, device)
+    out = fused_ops.ct_bn_pool(
+        x, fused.conv_transpose.weight.detach(), fused.conv_transpose.bias.detach(), P.scale,
+        fused.batch_norm.weight.detach(), fused.batch_norm.bias.detach(), mean, var, True)
+    ref.train()
+    with torch.no_grad():
+        assert relerr(out, ref(x.cpu())) <= 1e-10
+    assert relerr(big[:P.out_channels, 0], ref.batch_norm.running_mean) <= 1e-10
+    assert relerr(big[P.out_channels:, 1], ref.batch_norm.running_var) <= 1e-10
+
+
 def test_eval_leaves_running_stats_alone():
     _, fused = make_models(P, torch.float32)
     fused.eval()
