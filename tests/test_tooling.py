@@ -56,6 +56,47 @@ def test_compiled_module_matches_eager(training, device):
     assert int(compiled_module.batch_norm.num_batches_tracked) == (2 if training else 0)
 
 
+def twin_modules(device, training):
+    _, a = make_models(P, torch.float32, device)
+    _, b = make_models(P, torch.float32, device)
+    b.load_state_dict(a.state_dict())
+    a.train(training)
+    b.train(training)
+    return a, b
+
+
+def assert_same_state(module, reference):
+    for key, value in reference.state_dict().items():
+        got = module.state_dict()[key]
+        assert (relerr(got, value) <= 1e-6 if value.is_floating_point()
+                else torch.equal(got, value)), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_with_dynamic_shapes(device):
+    torch._dynamo.reset()
+    module, eager = twin_modules(device, training=True)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 3, 5):
+            x = torch.randn(batch, *make_input(P, torch.float32, device).shape[1:], device=device)
+            assert relerr(compiled(x), eager(x)) <= 1e-6
+    assert_same_state(module, eager)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [False, True])
+def test_exported_program_matches_eager(training, device):
+    module, eager = twin_modules(device, training)
+    x = make_input(P, torch.float32, device)
+    exported = torch.export.export(module, (x,)).module()
+    with torch.no_grad():
+        for _ in range(2):
+            x = make_input(P, torch.float32, device)
+            assert relerr(exported(x), eager(x)) <= 1e-6
+    assert_same_state(exported, eager)
+
+
 def test_backward_raises_instead_of_returning_wrong_gradients():
     _, fused = make_models(P, torch.float32)
     x = make_input(P).requires_grad_()
