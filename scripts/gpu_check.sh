@@ -26,13 +26,6 @@ if want build; then
   fi
   (cd /tmp && python3 -m fused_ops) 2>&1 | tee "$OUT/main.txt"
 fi
-if want debug; then
-  step debug
-  for how in cpu_kernel op; do (cd /tmp && python3 "$REPO/scripts/repro_error_path.py" $how; echo "rc $?"); done
-  (cd /tmp && timeout 120 cuda-gdb -batch -ex "set print frame-arguments none" -ex run -ex "bt 16" \
-    --args python3 "$REPO/scripts/repro_error_path.py" op) >"$OUT/debug.log" 2>&1
-  grep -E "^#|signal|raised" "$OUT/debug.log" | cut -c1-200 | head -30
-fi
 if want test; then
   step test
   # From /tmp so the installed package, not the source tree, is imported; one
