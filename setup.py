@@ -82,8 +82,9 @@ def extension():
     with_cuda = CUDA_HOME is not None and os.environ.get("FUSED_OPS_FORCE_CPU") != "1"
     include_dirs.append(write_build_info(os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else None))
     if not with_cuda:
+        reason = "FUSED_OPS_FORCE_CPU=1" if CUDA_HOME else "no CUDA toolkit (nvcc) found"
         print(
-            "fused_ops: NOTICE: no CUDA toolkit (nvcc) found; building a CPU-only extension. "
+            f"fused_ops: NOTICE: {reason}; building a CPU-only extension. "
             "Set CUDA_HOME to build the CUDA kernels.",
             file=sys.stderr,
         )
