@@ -2,7 +2,7 @@
 """Benchmark of fused_ops.ct_bn_pool against PyTorch eager and torch.compile.
 
     python bench/bench_ct_bn_pool.py [--device cuda|cpu] [--problems seed,b4,...]
-        [--modes eval,train] [--reps N] [--no-compile] [--algos auto,direct,sliced_conv]
+        [--modes eval,train] [--reps N] [--no-compile] [--algos auto,fft,direct,sliced_conv]
         [--out bench/results]
 
 For every problem and mode it times the unfused PyTorch module (eager and torch.compile)
@@ -46,7 +46,7 @@ CPU_PROBLEMS = {
 }
 DIM_NAMES = ("B", "Ci", "Co", "D", "H", "W", "k")
 MODES = ("eval", "train")
-ALGOS = ("auto", "direct", "sliced_conv")
+ALGOS = ("auto", "fft", "direct", "sliced_conv")
 
 WARMUP_CALLS = 5
 SLEEP_US = 100.0         # GPU busy-wait enqueued before each timed CUDA call (see CudaClock)

@@ -11,22 +11,57 @@ namespace fused_ops {
 // per-channel routine runs in a CPU loop and in a CUDA block.
 template <typename scalar_t>
 struct FinalizeArgs {
-  SampleSums sums;
-  const double* energy;  // [B, Co, splits]: within-sample centred sums of squares; null in eval
-  int64_t splits;
-  const scalar_t* bias;   // conv bias [Co] or null
-  const scalar_t* gamma;  // BN weight [Co] or null
-  const scalar_t* beta;   // BN bias [Co] or null
-  scalar_t* running_mean;  // [Co] or null (not tracked)
+  SampleSums sums;              // contraction giving each sample's conv sum, or...
+  const double* sample_sums;    // ...[B, Co] those sums given (bias excluded); null: contract
+  const double* energy;         // [R, Co, S] within-sample centred sums of squares, summed over
+  int64_t energy_rows, splits;  // R (B, or 1 when summed over the batch) and S; null in eval
+  const double* stats_in;       // [3, Co] (count, mean, m2) of the conv output (bias excluded)
+                                // to normalize with instead of this batch's (docs/math.md §4.1)
+  double* stats_out;            // [3, Co]: when set, this batch's stats are written here...
+  double* sample_sums_out;      // ...with [B, Co] its sample sums, and nothing else is done
+  const scalar_t* bias;         // conv bias [Co] or null
+  const scalar_t* gamma;        // BN weight [Co] or null
+  const scalar_t* beta;         // BN bias [Co] or null
+  scalar_t* running_mean;       // [Co] or null (not tracked)
   scalar_t* running_var;
   scalar_t* out;  // [B, Co]
   int64_t batch, channels, spatial;
   double scale, momentum, eps;
   bool batch_stats;
+
+  FO_HD double sample_sum(int64_t b, int64_t c) const {
+    return sample_sums ? sample_sums[b * channels + c] : sums.conv_sum(b, c);
+  }
 };
 
-// Finalizes channel c (docs/math.md §3 and §4). Work over the batch is split as
-// b = first, first + step, ...; `sample_sum(b)` gives a.sums.conv_sum(b, c)
+// Count, mean and centred sum of squares of one channel's conv output (bias
+// excluded) over the batch (docs/math.md §3): the within-sample energies plus
+// the spread of the sample means, never raw sums of squares that cancel.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <typename scalar_t, typename SampleSum, typename BlockSum>
+FO_HD void batch_channel_stats(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t first,
+                               int64_t step, SampleSum sample_sum, BlockSum block_sum,
+                               double stats[3]) {
+  const double n_sp = static_cast<double>(a.spatial);
+  stats[0] = static_cast<double>(a.batch) * n_sp;
+  double s = 0;
+  for (int64_t b = first; b < a.batch; b += step) s += sample_sum(b);
+  stats[1] = block_sum(s) / stats[0];
+  double q = 0;
+  for (int64_t b = first; b < a.batch; b += step) {
+    const double d = sample_sum(b) / n_sp - stats[1];
+    q += n_sp * d * d;
+  }
+  for (int64_t i = first; i < a.energy_rows * a.splits; i += step) {
+    q += a.energy[((i / a.splits) * a.channels + c) * a.splits + i % a.splits];
+  }
+  stats[2] = block_sum(q);
+}
+
+// Finalizes channel c (docs/math.md §4). Work over the batch is split as
+// b = first, first + step, ...; `sample_sum(b)` gives the conv sum of sample b
 // (the CUDA kernel precomputes them cooperatively); `block_sum` must return the
 // sum of its argument over all participants of the split (identity on the CPU, a
 // block reduction on CUDA) and is called the same number of times by each.
@@ -37,21 +72,26 @@ template <typename scalar_t, typename SampleSum, typename BlockSum>
 FO_HD void finalize_channel(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t first, int64_t step,
                             SampleSum sample_sum, BlockSum block_sum) {
   const double n_sp = static_cast<double>(a.spatial);
-  const double count = static_cast<double>(a.batch) * n_sp;
   const double bias = a.bias ? static_cast<double>(a.bias[c]) : 0.0;
   double shift, var_z;  // z's per-sample mean minus shift is the centred value
   if (a.batch_stats) {
-    double s = 0;
-    for (int64_t b = first; b < a.batch; b += step) s += sample_sum(b);
-    const double mu = block_sum(s) / count;  // batch mean of the conv output, bias excluded
-    double q = 0;
-    for (int64_t b = first; b < a.batch; b += step) {
-      const double d = sample_sum(b) / n_sp - mu;
-      q += n_sp * d * d;
-      const double* e = a.energy + (b * a.channels + c) * a.splits;
-      for (int64_t k = 0; k < a.splits; ++k) q += e[k];
+    double stats[3];
+    if (a.stats_in) {
+      for (int k = 0; k < 3; ++k) stats[k] = a.stats_in[k * a.channels + c];
+    } else {
+      batch_channel_stats(a, c, first, step, sample_sum, block_sum, stats);
     }
-    const double var_y = block_sum(q) / count;  // biased: what normalization uses
+    if (a.stats_out) {
+      for (int64_t b = first; b < a.batch; b += step) {
+        a.sample_sums_out[b * a.channels + c] = sample_sum(b);
+      }
+      if (first == 0) {
+        for (int k = 0; k < 3; ++k) a.stats_out[k * a.channels + c] = stats[k];
+      }
+      return;
+    }
+    const double count = stats[0], mu = stats[1];
+    const double var_y = stats[2] / count;  // biased: what normalization uses
     shift = a.scale * mu;  // the bias cancels between a sample's mean and the batch mean
     var_z = a.scale * a.scale * var_y;
     if (first == 0 && a.running_mean) {

@@ -11,7 +11,7 @@ namespace fused_ops {
 
 // How the within-sample sum of squares of the conv output is computed in
 // training mode (docs/math.md §3).
-enum class EnergyAlgo { Direct, SlicedConv };
+enum class EnergyAlgo { Direct, SlicedConv, Fft };
 
 // The tensors behind SampleSums: x_red [B, Ci, J] and w_red [Ci, Cog, 1 or J], double.
 struct SampleSumTensors {
@@ -19,13 +19,16 @@ struct SampleSumTensors {
   SampleSums view(const ConvGeometry& g) const;
 };
 
-// Tensors and scalars of the finalize step (see FinalizeArgs).
+// Tensors and scalars of the finalize step (see FinalizeArgs); undefined
+// tensors are absent (null pointers there).
 struct FinalizeInputs {
   SampleSumTensors sums;
-  at::Tensor energy;  // [B, Co, splits] double, undefined in eval
-  at::Tensor bias, gamma, beta, running_mean, running_var;  // undefined when absent
-  double scale, momentum, eps;
-  bool batch_stats;
+  at::Tensor sample_sums;  // [B, Co] double, given instead of `sums`
+  at::Tensor energy;       // [R, Co, S] double, undefined in eval
+  at::Tensor stats_in, stats_out, sample_sums_out;
+  at::Tensor bias, gamma, beta, running_mean, running_var;
+  double scale = 1, momentum = 0, eps = 1;
+  bool batch_stats = true;
 };
 
 // What differs between devices; the orchestration in ct_bn_pool.cpp is shared.
@@ -34,14 +37,18 @@ struct Backend {
   // each x[b, ci] over D, H, W, and w_red [Ci, Cog, 1], each weight[ci, co]
   // summed over its taps; double.
   SampleSumTensors (*sample_sums)(const at::Tensor& x, const at::Tensor& weight);
-  // [B, Co, splits] double within-sample centred sums of squares of the conv
+  // [B, Co, S] double within-sample centred sums of squares of the conv
   // output, computed by the direct kernel from x and the packed weight.
   at::Tensor (*energy_direct)(const at::Tensor& x, const at::Tensor& packed_weight,
                               const SampleSumTensors& sums, const ConvGeometry& g);
   // Writes out [B, Co] and, in training, updates the running stats.
   void (*finalize)(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
   // The algorithm "auto" picks on this device for this problem.
-  EnergyAlgo (*auto_energy_algo)(const ConvGeometry& g);
+  EnergyAlgo (*auto_energy_algo)(const ConvGeometry& g, at::ScalarType dtype);
+  // The FFT path ([1, Co, S] energy), or null where the device has none; and
+  // whether it computes this problem (docs/math.md §3.3).
+  at::Tensor (*energy_fft)(const at::Tensor& x, const at::Tensor& weight, const ConvGeometry& g);
+  bool (*fft_applies)(const ConvGeometry& g, at::ScalarType dtype);
 };
 
 // Device-independent pieces, written with ATen ops.
@@ -64,7 +71,24 @@ at::Tensor ct_bn_pool_forward(const Backend& backend, const at::Tensor& x, const
                               at::IntArrayRef padding, at::IntArrayRef output_padding,
                               at::IntArrayRef dilation, int64_t groups, c10::string_view algo);
 
-// The op's kernel on one device: what TORCH_LIBRARY_IMPL registers.
+// ct_bn_pool_stats: this batch's per-sample conv sums [B, Co] and per-channel
+// (count, mean, m2) [3, Co] of the conv output, bias excluded (docs/math.md §4.1).
+std::tuple<at::Tensor, at::Tensor> ct_bn_pool_stats_forward(
+    const Backend& backend, const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef output_padding, at::IntArrayRef dilation,
+    int64_t groups, c10::string_view algo);
+
+// ct_bn_pool_apply: the finalize with the given (count, mean, m2) statistics.
+at::Tensor ct_bn_pool_apply_forward(const Backend& backend, const at::Tensor& sample_sums,
+                                    const at::Tensor& stats, int64_t spatial,
+                                    const c10::optional<at::Tensor>& bias, double scale,
+                                    const c10::optional<at::Tensor>& bn_weight,
+                                    const c10::optional<at::Tensor>& bn_bias,
+                                    const c10::optional<at::Tensor>& running_mean,
+                                    const c10::optional<at::Tensor>& running_var, double momentum,
+                                    double eps, at::ScalarType dtype);
+
+// The ops' kernels on one device: what TORCH_LIBRARY_IMPL registers.
 template <const Backend& backend>
 at::Tensor ct_bn_pool_kernel(const at::Tensor& x, const at::Tensor& weight,
                              const c10::optional<at::Tensor>& bias, double scale,
@@ -80,6 +104,27 @@ at::Tensor ct_bn_pool_kernel(const at::Tensor& x, const at::Tensor& weight,
                             dilation, groups, algo);
 }
 
+template <const Backend& backend>
+std::tuple<at::Tensor, at::Tensor> ct_bn_pool_stats_kernel(
+    const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
+    at::IntArrayRef output_padding, at::IntArrayRef dilation, int64_t groups,
+    c10::string_view algo) {
+  return ct_bn_pool_stats_forward(backend, x, weight, stride, padding, output_padding, dilation,
+                                  groups, algo);
+}
+
+template <const Backend& backend>
+at::Tensor ct_bn_pool_apply_kernel(const at::Tensor& sample_sums, const at::Tensor& stats,
+                                   int64_t spatial, const c10::optional<at::Tensor>& bias,
+                                   double scale, const c10::optional<at::Tensor>& bn_weight,
+                                   const c10::optional<at::Tensor>& bn_bias,
+                                   const c10::optional<at::Tensor>& running_mean,
+                                   const c10::optional<at::Tensor>& running_var, double momentum,
+                                   double eps, at::ScalarType dtype) {
+  return ct_bn_pool_apply_forward(backend, sample_sums, stats, spatial, bias, scale, bn_weight,
+                                  bn_bias, running_mean, running_var, momentum, eps, dtype);
+}
+
 // Typed view of FinalizeInputs for one dtype.
 template <typename scalar_t>
 FinalizeArgs<scalar_t> finalize_args(const FinalizeInputs& in, const ConvGeometry& g,
@@ -87,10 +132,18 @@ FinalizeArgs<scalar_t> finalize_args(const FinalizeInputs& in, const ConvGeometr
   auto ptr = [](const at::Tensor& t) -> scalar_t* {
     return t.defined() ? t.data_ptr<scalar_t>() : nullptr;
   };
+  auto dptr = [](const at::Tensor& t) -> double* {
+    return t.defined() ? t.data_ptr<double>() : nullptr;
+  };
   FinalizeArgs<scalar_t> a;
-  a.sums = in.sums.view(g);
-  a.energy = in.energy.defined() ? in.energy.data_ptr<double>() : nullptr;
+  a.sums = in.sums.x_red.defined() ? in.sums.view(g) : SampleSums{};
+  a.sample_sums = dptr(in.sample_sums);
+  a.energy = dptr(in.energy);
+  a.energy_rows = in.energy.defined() ? in.energy.size(0) : 0;
   a.splits = in.energy.defined() ? in.energy.size(2) : 0;
+  a.stats_in = dptr(in.stats_in);
+  a.stats_out = dptr(in.stats_out);
+  a.sample_sums_out = dptr(in.sample_sums_out);
   a.bias = ptr(in.bias);
   a.gamma = ptr(in.gamma);
   a.beta = ptr(in.beta);

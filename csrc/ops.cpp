@@ -30,16 +30,30 @@ TORCH_LIBRARY(fused_ops, m) {
       "Tensor? bn_bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, bool training, "
       "float momentum=0.1, float eps=1e-05, *, int[3] stride=1, int[3] padding=0, "
       "int[3] output_padding=0, int[3] dilation=1, int groups=1, str algo=\"auto\") -> Tensor");
+  // The two halves of ct_bn_pool's training mode, for statistics merged across
+  // processes in between (fused_ops/distributed.py, docs/math.md §4.1).
+  m.def(
+      "ct_bn_pool_stats(Tensor x, Tensor weight, *, int[3] stride=1, int[3] padding=0, "
+      "int[3] output_padding=0, int[3] dilation=1, int groups=1, str algo=\"auto\") "
+      "-> (Tensor sample_sums, Tensor stats)");
+  m.def(
+      "ct_bn_pool_apply(Tensor sample_sums, Tensor stats, int spatial, Tensor? bias, float scale, "
+      "Tensor? bn_weight, Tensor? bn_bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
+      "float momentum, float eps, ScalarType dtype) -> Tensor");
   m.def("build_info() -> str", &build_info);
 }
 
 // Forward only: a backward through the op raises instead of returning wrong
 // gradients, and in-place writes to the running stats bump their versions.
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
-  m.impl("ct_bn_pool", torch::autograd::autogradNotImplementedFallback());
+  for (const char* op : {"ct_bn_pool", "ct_bn_pool_stats", "ct_bn_pool_apply"}) {
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  }
 }
 TORCH_LIBRARY_IMPL(fused_ops, ADInplaceOrView, m) {
-  m.impl("ct_bn_pool", torch::autograd::autogradNotImplementedInplaceOrViewFallback());
+  for (const char* op : {"ct_bn_pool", "ct_bn_pool_stats", "ct_bn_pool_apply"}) {
+    m.impl(op, torch::autograd::autogradNotImplementedInplaceOrViewFallback());
+  }
 }
 
 }  // namespace fused_ops

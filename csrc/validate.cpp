@@ -7,20 +7,25 @@
 namespace fused_ops {
 namespace {
 
-void check_same_kind(const at::Tensor& t, const char* name, const at::Tensor& x) {
-  TORCH_CHECK(t.device() == x.device(), "ct_bn_pool: ", name, " must be on the same device as x (",
-              to_str(x.device()), "), got ", to_str(t.device()));
-  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "ct_bn_pool: ", name,
-              " must have the same dtype as x (", to_str(x.scalar_type()), "), got ", to_str(t.scalar_type()));
+// `like`: the tensor whose device and dtype `t` must have, named `like_name`.
+void check_same_kind(const at::Tensor& t, const char* name, const at::Tensor& like,
+                     const char* like_name = "x", c10::optional<at::ScalarType> dtype = {}) {
+  TORCH_CHECK(t.device() == like.device(), "ct_bn_pool: ", name, " must be on the same device as ",
+              like_name, " (", to_str(like.device()), "), got ", to_str(t.device()));
+  const at::ScalarType want = dtype.value_or(like.scalar_type());
+  TORCH_CHECK(t.scalar_type() == want, "ct_bn_pool: ", name, " must have the same dtype as ",
+              dtype ? "the dtype argument" : like_name, " (", to_str(want), "), got ",
+              to_str(t.scalar_type()));
 }
 
 void check_channel_vector(const c10::optional<at::Tensor>& t, const char* name, int64_t channels,
-                          const at::Tensor& x) {
+                          const at::Tensor& like, const char* like_name = "x",
+                          c10::optional<at::ScalarType> dtype = {}) {
   if (!t.has_value() || !t->defined()) return;
   TORCH_CHECK(t->dim() == 1 && t->size(0) == channels, "ct_bn_pool: ", name,
               " must have shape [", to_str(channels),
               "] (one value per output channel), got ", to_str(t->sizes()));
-  check_same_kind(*t, name, x);
+  check_same_kind(*t, name, like, like_name, dtype);
 }
 
 void check_triple(at::IntArrayRef v, const char* name, int64_t min_value) {
@@ -43,12 +48,16 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
                              const c10::optional<at::Tensor>& running_var, bool training, double eps,
                              at::IntArrayRef stride, at::IntArrayRef padding,
                              at::IntArrayRef output_padding, at::IntArrayRef dilation,
-                             int64_t groups) {
+                             int64_t groups, bool one_of_many) {
   TORCH_CHECK(x.dim() == 5, "ct_bn_pool: x must be a 5-D tensor [B, C_in, D, H, W], got ",
               to_str(x.dim()), "-D with shape ", to_str(x.sizes()));
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
               "ct_bn_pool: x must be float32 or float64, got ", to_str(x.scalar_type()));
-  TORCH_CHECK(x.numel() > 0, "ct_bn_pool: x must be non-empty, got shape ", to_str(x.sizes()));
+  // A process's share of a synchronized batch may hold no samples.
+  const bool empty_ok = one_of_many && x.size(0) == 0 &&
+                        x.size(1) * x.size(2) * x.size(3) * x.size(4) > 0;
+  TORCH_CHECK(x.numel() > 0 || empty_ok, "ct_bn_pool: x must be non-empty, got shape ",
+              to_str(x.sizes()));
   TORCH_CHECK(weight.dim() == 5,
               "ct_bn_pool: weight must be a 5-D ConvTranspose3d weight [C_in, C_out/groups, kD, kH, "
               "kW], got shape ",
@@ -105,7 +114,7 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
                     "statistics)");
   // As F.batch_norm (torch 2.11 refuses eps <= 0 in both modes, 2.14 in training).
   TORCH_CHECK_VALUE(eps > 0, "ct_bn_pool: eps must be positive, got ", to_str(eps));
-  if (training) {
+  if (training && !one_of_many) {
     TORCH_CHECK_VALUE(g.batch * g.out_spatial() > 1,
                       "ct_bn_pool: Expected more than 1 value per channel when training, got ",
                       to_str(g.batch * g.out_spatial()), " (batch ", to_str(g.batch),
@@ -114,11 +123,63 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
   return g;
 }
 
-EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, const ConvGeometry& g) {
-  if (algo == "auto") return backend.auto_energy_algo(g);
+ConvGeometry validate_apply_inputs(const at::Tensor& sample_sums, const at::Tensor& stats,
+                                   int64_t spatial, const c10::optional<at::Tensor>& bias,
+                                   const c10::optional<at::Tensor>& bn_weight,
+                                   const c10::optional<at::Tensor>& bn_bias,
+                                   const c10::optional<at::Tensor>& running_mean,
+                                   const c10::optional<at::Tensor>& running_var, double eps,
+                                   at::ScalarType dtype) {
+  TORCH_CHECK(sample_sums.dim() == 2 && sample_sums.scalar_type() == at::kDouble,
+              "ct_bn_pool: sample_sums must be a float64 [B, C_out] tensor, got ",
+              to_str(sample_sums.scalar_type()), " of shape ", to_str(sample_sums.sizes()));
+  TORCH_CHECK(sample_sums.size(1) > 0, "ct_bn_pool: sample_sums must have at least one channel");
+  const int64_t channels = sample_sums.size(1);
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 3 && stats.size(1) == channels,
+              "ct_bn_pool: stats must have shape [3, ", to_str(channels),
+              "] (count, mean, m2 per channel), got ", to_str(stats.sizes()));
+  check_same_kind(stats, "stats", sample_sums, "sample_sums");
+  TORCH_CHECK_VALUE(spatial >= 1, "ct_bn_pool: spatial must be >= 1, got ", to_str(spatial));
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+              "ct_bn_pool: dtype must be float32 or float64, got ", to_str(dtype));
+  check_channel_vector(bias, "bias", channels, sample_sums, "sample_sums", dtype);
+  check_channel_vector(bn_weight, "bn_weight", channels, sample_sums, "sample_sums", dtype);
+  check_channel_vector(bn_bias, "bn_bias", channels, sample_sums, "sample_sums", dtype);
+  check_channel_vector(running_mean, "running_mean", channels, sample_sums, "sample_sums", dtype);
+  check_channel_vector(running_var, "running_var", channels, sample_sums, "sample_sums", dtype);
+  TORCH_CHECK_VALUE(present(running_mean) == present(running_var),
+                    "ct_bn_pool: running_mean and running_var must be given together or both be "
+                    "None");
+  TORCH_CHECK_VALUE(eps > 0, "ct_bn_pool: eps must be positive, got ", to_str(eps));
+  ConvGeometry g{};
+  g.batch = sample_sums.size(0);
+  g.out_channels = channels;
+  g.groups = 1;
+  g.out_size[0] = spatial;
+  g.out_size[1] = g.out_size[2] = 1;
+  return g;
+}
+
+EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, const ConvGeometry& g,
+                             at::ScalarType dtype) {
+  if (algo == "auto") return backend.auto_energy_algo(g, dtype);
   if (algo == "direct") return EnergyAlgo::Direct;
   if (algo == "sliced_conv") return EnergyAlgo::SlicedConv;
-  TORCH_CHECK_VALUE(false, "ct_bn_pool: algo must be one of 'auto', 'direct', 'sliced_conv', got '",
+  if (algo == "fft") {
+    TORCH_CHECK_VALUE(backend.energy_fft != nullptr,
+                      "ct_bn_pool: algo='fft' is implemented for CUDA tensors only; use 'auto', "
+                      "'direct' or 'sliced_conv' on this device");
+    TORCH_CHECK_VALUE(backend.fft_applies(g, dtype),
+                      "ct_bn_pool: algo='fft' needs float32 and stride 1, padding 0, "
+                      "output_padding 0 (a full convolution) with kernel height <= 16; got dtype ",
+                      to_str(dtype), ", stride ", to_str(at::IntArrayRef(g.stride, 3)), ", padding ",
+                      to_str(at::IntArrayRef(g.padding, 3)), ", output_padding ",
+                      to_str(at::IntArrayRef(g.output_padding, 3)), ", kernel ",
+                      to_str(at::IntArrayRef(g.kernel, 3)), " (use 'auto')");
+    return EnergyAlgo::Fft;
+  }
+  TORCH_CHECK_VALUE(false,
+                    "ct_bn_pool: algo must be one of 'auto', 'fft', 'direct', 'sliced_conv', got '",
                     std::string(algo), "'");
   return EnergyAlgo::Direct;
 }

@@ -5,6 +5,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from . import distributed
+
 IntOrTriple = Union[int, Sequence[int]]
 
 def _triple(value: IntOrTriple, name: str) -> list:
@@ -35,6 +37,7 @@ def ct_bn_pool(
     dilation: IntOrTriple = 1,
     groups: int = 1,
     algo: str = "auto",
+    process_group=None,
 ) -> Tensor:
     r"""``adaptive_avg_pool3d(batch_norm(scale * conv_transpose3d(x, weight, bias, ...)), 1)``.
 
@@ -58,11 +61,23 @@ def ct_bn_pool(
         eps: added to the variance; must be >= 0.
         stride, padding, output_padding, dilation: ConvTranspose3d options, an int or 3 ints.
         groups: ConvTranspose3d groups.
-        algo: how training mode gets the per-channel variance: ``"auto"`` (default;
-            picked per device and problem), ``"direct"`` (our kernel, computes the conv
-            output in registers and never stores it) or ``"sliced_conv"`` (ATen's
-            convolution, TF32 off, over slices of the batch of at most 64 MiB of output).
+        algo: how training mode gets the per-channel variance (``docs/math.md`` §3):
+            ``"auto"`` (default: ``"fft"`` where it applies, else ``"sliced_conv"``;
+            ``docs/performance.md`` says why), ``"fft"`` (CUDA, float32, stride 1, padding 0,
+            output_padding 0: Parseval on the spectra of x and the weight, never forming the
+            conv output), ``"direct"`` (our kernel, computes the conv output in registers and
+            never stores it) or ``"sliced_conv"`` (ATen's convolution, TF32 off, over slices
+            of the batch of at most 64 MiB of output). A forced ``"fft"`` where it does not
+            apply raises ValueError.
             Eval mode needs no convolution and ignores it.
+        process_group: a ``torch.distributed`` ProcessGroup, or None (the default: this
+            process's batch only). With a group and ``training=True`` the batch statistics
+            are those of the union of the batches of all the group's processes, as
+            ``nn.SyncBatchNorm`` computes them (``docs/distributed.md``): every process of
+            the group must make the call (one all-gather of ``[3, C_out]`` float64 per call),
+            batch sizes may differ, and the running statistics are updated from the global
+            statistics. ``training=False`` never communicates; a group of one process is the
+            plain op.
 
     Raises:
         RuntimeError: for mismatched shapes, dtypes or devices.
@@ -73,10 +88,15 @@ def ct_bn_pool(
     """
     if not isinstance(scale, numbers.Real):
         raise TypeError(f"ct_bn_pool: scale must be a Python number, got {type(scale).__name__}")
+    conv = dict(stride=_triple(stride, "stride"), padding=_triple(padding, "padding"),
+                output_padding=_triple(output_padding, "output_padding"),
+                dilation=_triple(dilation, "dilation"), groups=int(groups), algo=algo)
+    if process_group is not None:
+        distributed.check_process_group(process_group)
+        if training and distributed.group_size(process_group) > 1:
+            return distributed.synced_ct_bn_pool(
+                x, weight, bias, float(scale), bn_weight, bn_bias, running_mean, running_var,
+                float(momentum), float(eps), process_group=process_group, **conv)
     return torch.ops.fused_ops.ct_bn_pool(
         x, weight, bias, float(scale), bn_weight, bn_bias, running_mean, running_var,
-        bool(training), float(momentum), float(eps),
-        stride=_triple(stride, "stride"), padding=_triple(padding, "padding"),
-        output_padding=_triple(output_padding, "output_padding"),
-        dilation=_triple(dilation, "dilation"), groups=int(groups), algo=algo,
-    )
+        bool(training), float(momentum), float(eps), **conv)

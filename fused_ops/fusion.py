@@ -16,24 +16,34 @@ class _FusedChain(nn.Module):
     """Calls the fused op on the chain's own submodules, which stay registered where the
     model had them: parameters, buffers and state_dict keys are the original ones."""
 
-    def __init__(self, conv, scale, bn, algo):
+    def __init__(self, conv, scale, bn_parent, bn_name, algo):
         super().__init__()
-        # Not registered as children: the model already owns these modules.
-        object.__setattr__(self, "_fused", ConvTransposeBNPool3d.from_modules(conv, scale, bn, algo))
+        # Not registered as children: the model already owns these modules. The batch norm
+        # is looked up where the model holds it at each call, so that replacing it there
+        # (nn.SyncBatchNorm.convert_sync_batchnorm after fuse) takes effect.
+        object.__setattr__(self, "_bn_slot", (bn_parent, bn_name))
+        object.__setattr__(self, "_fused", ConvTransposeBNPool3d.from_modules(
+            conv, scale, bn_parent._modules[bn_name], algo))
 
     def forward(self, x):
-        self._fused.training = self.training
-        return self._fused(x)
+        parent, name = self._bn_slot
+        fused = self._fused
+        if parent._modules[name] is not fused.batch_norm:
+            fused = ConvTransposeBNPool3d.from_modules(
+                fused.conv_transpose, fused.scale_factor, parent._modules[name], fused.algo)
+            object.__setattr__(self, "_fused", fused)
+        fused.training = self.training
+        return fused(x)
 
     def extra_repr(self):
         return self._fused.extra_repr()
 
 
-def _module(gm, node, kind):
+def _module(gm, node, *kinds):
     if node.op != "call_module":
         return None
     module = gm.get_submodule(node.target)
-    return module if type(module) is kind else None
+    return module if type(module) in kinds else None
 
 
 def _is_global_pool(gm, node):
@@ -70,7 +80,7 @@ def _match(gm, pool):
     if not _is_global_pool(gm, pool) or not isinstance(pool.args[0], fx.Node):
         return None
     bn = pool.args[0]
-    if _module(gm, bn, nn.BatchNorm3d) is None or not _only_user_is(bn, pool):
+    if _module(gm, bn, nn.BatchNorm3d, nn.SyncBatchNorm) is None or not _only_user_is(bn, pool):
         return None
     mul = bn.args[0]
     found = _scale_and_input(mul) if isinstance(mul, fx.Node) else None
@@ -87,10 +97,14 @@ def fuse(model: nn.Module, algo: str = "auto") -> fx.GraphModule:
     """A torch.fx copy of `model` in which every chain
 
         ConvTranspose3d -> multiply by a Python number (either order; `*`, `torch.mul` or
-        `.mul`) -> BatchNorm3d -> AdaptiveAvgPool3d((1, 1, 1)) (module or functional)
+        `.mul`) -> BatchNorm3d or SyncBatchNorm -> AdaptiveAvgPool3d((1, 1, 1)) (module or
+        functional)
 
     runs as one fused op. The original submodules are shared, not copied: parameters,
     buffers, the optimizer's view of them and state_dict keys stay those of `model`.
+    A SyncBatchNorm keeps its semantics: in training mode the statistics are merged over
+    its process group (docs/distributed.md); so are those of a BatchNorm3d that
+    `nn.SyncBatchNorm.convert_sync_batchnorm` replaces in the fused model.
     A chain is left alone when an intermediate result is used elsewhere, the pool is not
     global, the scale is a tensor, or the conv is called with `output_size`.
     """
@@ -101,8 +115,9 @@ def fuse(model: nn.Module, algo: str = "auto") -> fx.GraphModule:
             continue
         conv, scale, bn = chain
         name = f"{conv.target.replace('.', '_')}_fused"
+        bn_parent, _, bn_name = bn.target.rpartition(".")
         gm.add_submodule(name, _FusedChain(gm.get_submodule(conv.target), scale,
-                                           gm.get_submodule(bn.target), algo))
+                                           gm.get_submodule(bn_parent), bn_name, algo))
         with gm.graph.inserting_before(pool):
             fused = gm.graph.call_module(name, (conv.args[0],))
         pool.replace_all_uses_with(fused)

@@ -2,8 +2,8 @@
 # Everything that needs the GPU, in one call of the device tool (CI has no GPU):
 # build against the machine's torch, run the CUDA tests, compute-sanitizer and
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
-#   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [bench] [bench-full]
-# (default: build test sanitize bench)
+#   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
+# (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -30,7 +30,8 @@ if want test; then
   step test
   # From /tmp so the installed package, not the source tree, is imported; one
   # file at a time so that a crash in one does not hide the others' results.
-  for f in "$REPO"/tests/test_*.py; do
+  files=$(for t in ${TESTS:-}; do echo "$REPO/tests/$t"; done)
+  for f in ${files:-"$REPO"/tests/test_*.py}; do
     (cd /tmp && python3 -m pytest "$f" -v -p no:cacheprovider -rfE --tb=short) >>"$OUT/pytest.log" 2>&1 || status=1
   done
   grep -E "^(FAILED|ERROR)|Fatal|passed|failed" "$OUT/pytest.log" | tail -30
@@ -47,10 +48,28 @@ if want profile; then
   step profile
   (cd /tmp && python3 "$REPO/scripts/profile_seed.py" eval && python3 "$REPO/scripts/profile_seed.py" train) 2>&1 | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-150 || status=1
 fi
+if want ncu; then
+  step ncu
+  # One launch of each FFT-path kernel and of the eval kernels: occupancy, throughput, stalls.
+  for k in spectral_energy weight_spectrum spatial_sum bn_finalize; do
+    mode=train; [[ $k == spatial_sum || $k == bn_finalize ]] && mode=eval
+    (cd /tmp && timeout 120 ncu --kernel-name "regex:$k" --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis python3 "$REPO/scripts/profile_seed.py" "$mode") \
+      >"$OUT/ncu-$k.log" 2>&1 || status=1
+    grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|Local|Stall|Block Limit|Dynamic Shared" "$OUT/ncu-$k.log" | head -24
+  done
+fi
 if want bench; then
   step bench
   (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed --no-compile \
-    --algos auto,direct,sliced_conv --out "$OUT") 2>&1 | tee "$OUT/bench-seed.log" | tail -20 || status=1
+    --algos auto,fft,sliced_conv --out "$OUT") 2>&1 | tee "$OUT/bench-seed.log" | tail -20 || status=1
+fi
+if want dist; then
+  step dist
+  # Issue #7: synchronized statistics over NCCL, one process per GPU (needs 2 GPUs).
+  (cd /tmp && timeout 300 torchrun --standalone --nproc_per_node 2 "$REPO/scripts/dist_check.py" \
+    --out "$OUT") 2>&1 | tee "$OUT/dist.log" | tail -30 || status=1
 fi
 if want bench-full; then
   step bench-full

@@ -14,7 +14,7 @@ with torch.no_grad():
         m(x)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(30 if mode == "eval" else 3):
+        for i in range(30 if mode == "eval" else 10):
             m(xs[i % len(xs)])
         torch.cuda.synchronize()
 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))

@@ -51,7 +51,7 @@ CASES = {
     "output_padding_too_large": (lambda a: a.update(output_padding=1), ValueError,
                                  "output_padding must be smaller"),
     "padding_empties_output": (lambda a: a.update(padding=5), RuntimeError, "output would be empty"),
-    "unknown_algo": (lambda a: a.update(algo="fft"), ValueError, "algo must be one of"),
+    "unknown_algo": (lambda a: a.update(algo="winograd"), ValueError, "algo must be one of"),
     "tensor_scale": (lambda a: a.update(scale=torch.tensor(2.0)), TypeError, "scale must be"),
 }
 

@@ -70,7 +70,7 @@ void finalize_cpu(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& o
     at::parallel_for(0, g.out_channels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
         finalize_channel(
-            args, c, /*first=*/0, /*step=*/1, [&](int64_t b) { return args.sums.conv_sum(b, c); },
+            args, c, /*first=*/0, /*step=*/1, [&](int64_t b) { return args.sample_sum(b, c); },
             [](double v) { return v; });
       }
     });
@@ -79,13 +79,19 @@ void finalize_cpu(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& o
 
 // oneDNN's convolution beats the direct loops on every CPU problem measured
 // (docs/performance.md), so it is the CPU's default.
-EnergyAlgo auto_energy_algo_cpu(const ConvGeometry&) { return EnergyAlgo::SlicedConv; }
+EnergyAlgo auto_energy_algo_cpu(const ConvGeometry&, at::ScalarType) {
+  return EnergyAlgo::SlicedConv;
+}
 
-const Backend kCpuBackend = {sample_sums_cpu, energy_direct_cpu, finalize_cpu,
-                             auto_energy_algo_cpu};
+const Backend kCpuBackend = {sample_sums_cpu,      energy_direct_cpu, finalize_cpu,
+                             auto_energy_algo_cpu, nullptr,           nullptr};
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(fused_ops, CPU, m) { m.impl("ct_bn_pool", &ct_bn_pool_kernel<kCpuBackend>); }
+TORCH_LIBRARY_IMPL(fused_ops, CPU, m) {
+  m.impl("ct_bn_pool", &ct_bn_pool_kernel<kCpuBackend>);
+  m.impl("ct_bn_pool_stats", &ct_bn_pool_stats_kernel<kCpuBackend>);
+  m.impl("ct_bn_pool_apply", &ct_bn_pool_apply_kernel<kCpuBackend>);
+}
 
 }  // namespace fused_ops

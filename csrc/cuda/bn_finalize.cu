@@ -2,8 +2,10 @@
 // per-sample means and energies to the batch statistics, updates the running
 // stats and writes the pooled output. In eval mode it is the only kernel after
 // the reduction launch, so the tiny [B, Ci] x [Ci, Co] contraction happens here,
-// one warp per sample: a single thread per dot product would leave the whole
-// kernel waiting on one chain of dependent loads.
+// one warp per sample (a single thread per dot product would leave the whole
+// kernel waiting on one chain of dependent loads). It is launched overlapping
+// the reduction (pdl.cuh): its blocks are scheduled as the reduction's blocks
+// retire, instead of after a launch gap.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +14,7 @@
 #include <cub/warp/warp_reduce.cuh>
 
 #include "cuda/kernels.h"
+#include "cuda/pdl.cuh"
 
 namespace fused_ops {
 namespace {
@@ -25,13 +28,18 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads)
     bn_finalize_kernel(const FinalizeArgs<scalar_t> a, double* __restrict__ sample_sums) {
   const int64_t c = blockIdx.x;
+  pdl_wait();  // everything the kernels before wrote is visible from here on
   double* sums = sample_sums + c * a.batch;
   using WarpReduce = cub::WarpReduce<double>;
   __shared__ typename WarpReduce::TempStorage warp_tmp[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t b = warp; b < a.batch; b += kWarps) {
-    const double s = WarpReduce(warp_tmp[warp]).Sum(a.sums.conv_sum_part(b, c, lane, 32));
-    if (lane == 0) sums[b] = s;
+  if (a.sample_sums) {
+    for (int64_t b = threadIdx.x; b < a.batch; b += kThreads) sums[b] = a.sample_sums[b * a.channels + c];
+  } else {
+    for (int64_t b = warp; b < a.batch; b += kWarps) {
+      const double s = WarpReduce(warp_tmp[warp]).Sum(a.sums.conv_sum_part(b, c, lane, 32));
+      if (lane == 0) sums[b] = s;
+    }
   }
   __syncthreads();
 
@@ -57,9 +65,9 @@ void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& 
   TORCH_CHECK(g.out_channels < (int64_t(1) << 31), "ct_bn_pool: too many output channels");
   auto sample_sums = at::empty({g.out_channels, g.batch}, out.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "bn_finalize_cuda", [&] {
-    bn_finalize_kernel<scalar_t><<<g.out_channels, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        finalize_args<scalar_t>(in, g, out), sample_sums.data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_overlapping(bn_finalize_kernel<scalar_t>, dim3(static_cast<unsigned>(g.out_channels)),
+                       dim3(kThreads), at::cuda::getCurrentCUDAStream(),
+                       finalize_args<scalar_t>(in, g, out), sample_sums.data_ptr<double>());
   });
 }
 

@@ -1,6 +1,6 @@
 // The reductions behind the per-sample sums (docs/math.md §2), in one launch:
-// per-(b, ci) sums of x over D, H, W, and, in extra blocks, the weight sums
-// (weight_sum.cuh), a few rows per block. This is the only pass over x in eval mode, so it is written
+// per-(b, ci) sums of x over D, H, W and the weight sums (weight_sum.cuh), a
+// few rows per block. This is the only pass over x in eval mode, so it is written
 // to run at memory bandwidth: 16-byte loads, kUnroll of them in flight per
 // thread, one block per row (or per part of a row when there are too few rows to
 // fill the GPU), double accumulation.
@@ -13,6 +13,7 @@
 
 #include "cuda/kernels.h"
 #include "message.h"
+#include "cuda/pdl.cuh"
 #include "cuda/weight_sum.cuh"
 
 namespace fused_ops {
@@ -52,6 +53,7 @@ __global__ void __launch_bounds__(kThreads)
                        double* __restrict__ out, const scalar_t* __restrict__ w,
                        const WeightRows w_rows) {
   using V = Vec16<scalar_t>;
+  pdl_launch_dependents();  // the finalize may be scheduled as soon as blocks retire
   const int64_t block = blockIdx.x;
   const int64_t row = block / parts, begin = (block % parts) * chunk;
   const int64_t end = std::min(len, begin + chunk);

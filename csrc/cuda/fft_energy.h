@@ -1,0 +1,44 @@
+#pragma once
+// The FFT/Parseval training-mode energy (docs/math.md §3.3), CUDA only: the
+// spectra of x (cuFFT through ATen) and of the weight (weight_spectrum.cu), and
+// the kernel that multiplies them per frequency and reduces |Y_f|^2 without
+// storing either product (spectral_energy.cu).
+#include <ATen/ATen.h>
+
+#include "geometry.h"
+
+namespace fused_ops {
+
+// Whether the FFT path computes this problem: a full linear convolution
+// (stride 1, padding 0, output_padding 0) with kernels of at most kMaxFftKernel taps per dim.
+constexpr int64_t kMaxFftKernel = 16;
+bool fft_energy_applies(const ConvGeometry& g);
+
+// [1, Co, Lh * Lwf] double: per (fh, fw) frequency pair, the within-sample
+// centred sums of squares of the conv output, summed over the batch.
+at::Tensor energy_fft_cuda(const at::Tensor& x, const at::Tensor& weight, const ConvGeometry& g);
+
+// Sizes of the spectra: L the FFT (= output) size, Lwf = Lw / 2 + 1 bins kept of the last axis.
+struct SpectrumGeometry {
+  int64_t L[3], Lwf;
+  int64_t pairs() const { return L[1] * Lwf; }
+};
+
+// Dynamic shared memory the spectral-energy kernel needs for this problem.
+int64_t spectral_energy_smem_bytes(const ConvGeometry& g);
+
+// W2[fh - fh0, fw, ci, co_g, kd] (complex64): the weight's DFT over H and W at
+// size (Lh, Lw), for fh in [fh0, fh0 + count); out must hold count * Lwf * Ci * Cog * kD.
+int64_t weight_spectrum_smem_bytes(const ConvGeometry& g, int64_t fh_count);
+void weight_spectrum_cuda(const at::Tensor& weight, const ConvGeometry& g,
+                          const SpectrumGeometry& s, int64_t fh0, int64_t count, at::Tensor& out);
+
+// Adds, for the frequency pairs (fh, fw) with fh in [fh0, fh0 + count), the
+// weighted |Y_f|^2 / L of every frequency f = (fd, fh, fw) except f = 0 into
+// energy[0, co, fh * Lwf + fw] (written, not accumulated). x_spec: [Ld, Lh, Lwf, B, Ci]
+// complex64; w_spec: weight_spectrum_cuda's output for the same fh range.
+void spectral_energy_cuda(const at::Tensor& x_spec, const at::Tensor& w_spec,
+                          const ConvGeometry& g, const SpectrumGeometry& s, int64_t fh0,
+                          int64_t count, at::Tensor& energy);
+
+}  // namespace fused_ops

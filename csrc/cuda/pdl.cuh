@@ -1,0 +1,45 @@
+#pragma once
+// Programmatic dependent launch (sm_90 and later): a kernel launched with
+// launch_overlapping may start while the kernel before it on the stream still
+// runs, once every block of that kernel has called pdl_launch_dependents; it
+// must call pdl_wait before it reads anything that kernel writes. What it reads
+// before pdl_wait must not be written by the kernel before it (the earlier
+// kernel itself was launched normally, so everything older is complete). On
+// older GPUs both calls compile to nothing and the launch is an ordinary one.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace fused_ops {
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+template <typename... KernelArgs, typename... Args>
+void launch_overlapping(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
+                        Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace fused_ops

@@ -1,0 +1,112 @@
+"""Training statistics over several processes (SyncBatchNorm semantics) for ``ct_bn_pool``.
+
+The training step is split in two ops (``docs/math.md`` §4.1): ``ct_bn_pool_stats`` gives
+this process's per-sample sums and per-channel ``(count, mean, M2)``; the ``[3, C]`` stats of
+every process of the group are gathered in ONE collective, merged here identically on every
+rank, and ``ct_bn_pool_apply`` finalizes with the merged (global) statistics, updating the
+running statistics from them. ``docs/distributed.md`` is the user-facing description.
+"""
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def check_process_group(process_group) -> None:
+    """Raises unless `process_group` is a ProcessGroup this process belongs to."""
+    # dist.new_group hands processes outside the group this sentinel (an int) instead.
+    if dist.is_available() and process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("ct_bn_pool: this process is not a member of process_group "
+                         "(dist.new_group returned GroupMember.NON_GROUP_MEMBER)")
+    if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise TypeError("ct_bn_pool: process_group must be a torch.distributed ProcessGroup "
+                        f"(e.g. dist.group.WORLD or dist.new_group(...)), got "
+                        f"{type(process_group).__name__}")
+    # A non-member would skip the collective and silently use only its own batch.
+    if dist.get_rank(process_group) < 0:
+        raise ValueError("ct_bn_pool: this process is not a member of process_group")
+
+
+def group_size(process_group) -> int:
+    return dist.get_world_size(process_group)
+
+
+def out_spatial(x: Tensor, weight: Tensor, stride, padding, output_padding, dilation) -> int:
+    """Do * Ho * Wo of the ConvTranspose3d output (docs/math.md, top), from shapes only."""
+    n = 1
+    for d in range(3):
+        n *= ((x.shape[2 + d] - 1) * stride[d] - 2 * padding[d]
+              + dilation[d] * (weight.shape[2 + d] - 1) + output_padding[d] + 1)
+    return n
+
+
+def all_gather_stats(stats: Tensor, process_group) -> Tensor:
+    """[world, 3, C]: every rank's [3, C] stats, in rank order; the call's one collective.
+
+    ``all_gather_into_tensor`` into a contiguous ``[world * 3, C]`` buffer (the concatenated
+    form, which gloo supports too, and which every torch this builds against has). With ``async_op=False`` ProcessGroupNCCL launches it on the
+    current stream (pytorch/pytorch#150398; before that, on its own stream joined to the
+    current one), so the ops that follow are ordered after it without a host wait.
+    """
+    world = group_size(process_group)
+    out = stats.new_empty((world * stats.shape[0], stats.shape[1]))
+    # Detached: the op has no gradient anyway, and a collective cannot write a tensor
+    # that requires grad into `out` (gloo copies through views of it).
+    dist.all_gather_into_tensor(out, stats.detach().contiguous(), group=process_group)
+    return out.view(world, *stats.shape)
+
+
+def merge_stats(gathered: Tensor) -> Tensor:
+    """(count, mean, M2) [3, C] of the union of the batches whose stats are `gathered`
+    [R, 3, C], in float64.
+
+    Folding the parallel-variance formula of docs/math.md §4.1 over the R batches gives
+    ``n = sum n_r``, ``mu = sum n_r mu_r / n`` and ``M2 = sum M2_r + sum n_r (mu_r - mu)^2``;
+    that closed form is computed here in a fixed number of ops whatever R is. Every term is
+    centred, so nothing cancels; every rank runs the same ops on the same tensor and gets
+    bit-identical statistics. Batches with count 0 contribute nothing.
+    """
+    count, mean, m2 = gathered.double().unbind(1)
+    total = count.sum(0)
+    present = count > 0
+    mu = torch.where(present, count * mean, 0).sum(0) / total
+    delta = torch.where(present, mean - mu, 0)
+    spread = m2.sum(0) + (count * delta * delta).sum(0)
+    return torch.stack([total, mu, spread])
+
+
+def check_count(merged: Tensor, local_count: int) -> None:
+    """Raises PyTorch's ValueError when the global batch has one value per channel.
+
+    A process with more than one value makes the global count larger still, so only a
+    process with at most one reads the merged count (a device-to-host copy); since every
+    process of a group with a global count <= 1 is such a process, all of them raise.
+    """
+    if local_count > 1:
+        return
+    count = int(merged[0, 0].item())
+    if count <= 1:
+        raise ValueError("Expected more than 1 value per channel when training, got "
+                         f"{count} value(s) per channel over the process group (this process: "
+                         f"{local_count})")
+
+
+def synced_ct_bn_pool(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+                      momentum, eps, *, stride, padding, output_padding, dilation, groups, algo,
+                      process_group) -> Tensor:
+    """Training-mode ``ct_bn_pool`` normalizing with the statistics of the whole group's batch.
+
+    Arguments as ``fused_ops.ct_bn_pool`` (options as 3-lists). Every rank of
+    `process_group` must call it (a collective); x's batch size and spatial size may differ
+    between ranks. The running statistics are updated from the global statistics, so they
+    stay equal on every rank.
+    """
+    sample_sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(
+        x, weight, stride=stride, padding=padding, output_padding=output_padding,
+        dilation=dilation, groups=groups, algo=algo)
+    spatial = out_spatial(x, weight, stride, padding, output_padding, dilation)
+    merged = merge_stats(all_gather_stats(stats, process_group))
+    # Before apply, which writes the running statistics: a rejected call changes nothing.
+    check_count(merged, x.shape[0] * spatial)
+    return torch.ops.fused_ops.ct_bn_pool_apply(
+        sample_sums, merged, spatial, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+        momentum, eps, x.dtype)

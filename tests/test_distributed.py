@@ -1,0 +1,410 @@
+"""Training statistics over several processes (fused_ops/distributed.py, docs/distributed.md).
+
+The merge alone; the whole synced path for a group simulated in this process; and real
+gloo groups of 2 and 3 processes on loopback with unequal batch sizes, whose outputs and
+running statistics must equal a float64 run of the unfused pattern on the concatenated
+batch (nn.SyncBatchNorm itself refuses CPU tensors once torch.distributed is initialized;
+scripts/dist_check.py compares against it on GPUs).
+"""
+import copy
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fused_ops
+from conftest import Problem, make_models, relerr
+from fused_ops import distributed
+from fused_ops.fusion import _FusedChain
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
+
+P = Problem(0, 3, 5, (3, 4, 5), (2, 3, 2))  # the batch size is set per rank
+P_OPTS = Problem(0, 4, 6, (3, 2, 4), (3, 2, 2), scale=-1.5, momentum=None, conv_kwargs=dict(
+    stride=(2, 1, 2), padding=(1, 0, 1), output_padding=(1, 0, 0), dilation=(1, 2, 1), groups=2))
+TOL = {torch.float32: 1e-6, torch.float64: 1e-10}
+MODES = ["train", "train", "eval", "train"]
+# Each way of asking for synchronized statistics: (name, problem, dtype, seed).
+SCENARIOS = [("explicit", P, torch.float32, 0),            # process_group= on the module
+             ("convert_then_fuse", P_OPTS, torch.float64, 1),  # fuse maps nn.SyncBatchNorm
+             ("fuse_then_convert", P, torch.float32, 2),   # convert_sync_batchnorm after fuse
+             ("compiled", P, torch.float32, 0)]            # torch.compile(fullgraph=True)
+COLLECTIVES = ["all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce",
+               "broadcast", "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter",
+               "reduce", "barrier"]
+
+
+def global_input(p, batches, step, dtype):
+    """The concatenated batch of one step; rank r's input is its r-th split."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(sum(batches), p.in_channels, *p.size, generator=g, dtype=dtype)
+
+
+def conv_options(conv):
+    return dict(stride=list(conv.stride), padding=list(conv.padding),
+                output_padding=list(conv.output_padding), dilation=list(conv.dilation),
+                groups=conv.groups)
+
+
+def exact_stats(values):
+    """(count, mean, M2) per channel of values [C, n], two-pass in float64."""
+    mean = values.mean(1)
+    return torch.stack([torch.full_like(mean, values.shape[1]), mean,
+                        ((values - mean[:, None]) ** 2).sum(1)])
+
+
+def pairwise_fold(gathered):
+    """docs/math.md §4.1 applied one batch at a time."""
+    n, mu, m2 = gathered[0].unbind(0)
+    for nb, mub, m2b in (g.unbind(0) for g in gathered[1:]):
+        total = n + nb
+        delta = mub - mu
+        mu = mu + delta * nb / total
+        m2 = m2 + m2b + delta * delta * n * nb / total
+        n = total
+    return torch.stack([n, mu, m2])
+
+
+# --- The merge -------------------------------------------------------------------------------
+
+def test_merge_equals_the_concatenated_statistics():
+    g = torch.Generator().manual_seed(0)
+    # A large common offset: raw sums of squares would lose every digit of the variance.
+    values = 1e6 + torch.randn(4, 40, generator=g, dtype=torch.float64)
+    sizes = [7, 1, 20, 12]
+    gathered = torch.stack([exact_stats(part) for part in values.split(sizes, dim=1)])
+    merged = distributed.merge_stats(gathered)
+    expected = exact_stats(values)
+    assert torch.equal(merged[0], expected[0])
+    assert relerr(merged[1:], expected[1:]) <= 1e-14
+    assert relerr(merged, pairwise_fold(gathered)) <= 1e-14
+
+
+def test_merge_ignores_empty_batches():
+    values = torch.randn(3, 9, dtype=torch.float64)
+    empty = torch.tensor([[0.0] * 3, [float("nan")] * 3, [0.0] * 3], dtype=torch.float64)
+    gathered = torch.stack([exact_stats(values[:, :4]), empty, exact_stats(values[:, 4:])])
+    assert relerr(distributed.merge_stats(gathered), exact_stats(values)) <= 1e-14
+
+
+def test_one_value_per_channel_over_the_group_is_refused():
+    merged = torch.tensor([[1.0, 1.0], [0.5, -0.5], [0.0, 0.0]], dtype=torch.float64)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        distributed.check_count(merged, 1)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        distributed.check_count(torch.zeros(3, 2, dtype=torch.float64), 0)
+    # A process with more values than one knows the group has more too.
+    distributed.check_count(merged, 2)
+
+
+# --- The synced path, with the all-gather simulated in this process ---------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("p, batches", [(P, [3, 1, 5]), (P_OPTS, [2, 4])], ids=["3ranks", "opts"])
+def test_simulated_group_matches_the_concatenated_batch(p, batches, dtype, monkeypatch):
+    torch.manual_seed(0)
+    ref, fused = make_models(p, dtype)
+    ranks = [copy.deepcopy(fused) for _ in batches]
+    conv = fused.conv_transpose
+    for step in range(2):
+        x = global_input(p, batches, step, dtype)
+        shards = x.split(batches)
+        every = torch.stack([torch.ops.fused_ops.ct_bn_pool_stats(
+            s, conv.weight.detach(), **conv_options(conv))[1] for s in shards])
+        outs = []
+        for rank, (module, shard) in enumerate(zip(ranks, shards)):
+            def gather(stats, group, rank=rank):
+                assert torch.equal(stats, every[rank]) and group == "group"
+                return every
+            monkeypatch.setattr(distributed, "all_gather_stats", gather)
+            c, bn = module.conv_transpose, module.batch_norm
+            with torch.no_grad():
+                outs.append(distributed.synced_ct_bn_pool(
+                    shard, c.weight, c.bias, p.scale, bn.weight, bn.bias, bn.running_mean,
+                    bn.running_var, 0.1, bn.eps, algo="auto", process_group="group",
+                    **conv_options(c)))
+        ref.train()
+        ref.batch_norm.momentum = 0.1  # what synced_ct_bn_pool was given
+        with torch.no_grad():
+            expected = ref(x.double())
+        assert relerr(torch.cat(outs), expected) <= TOL[dtype]
+        for module in ranks:
+            for name in ("running_mean", "running_var"):
+                assert relerr(getattr(module.batch_norm, name),
+                              getattr(ref.batch_norm, name)) <= TOL[dtype], name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_group_of_one_through_the_split_ops_equals_the_plain_op(dtype, monkeypatch):
+    torch.manual_seed(0)
+    _, fused = make_models(P_OPTS, dtype)
+    twin = copy.deepcopy(fused)
+    monkeypatch.setattr(distributed, "all_gather_stats", lambda stats, group: stats[None])
+    x = global_input(P_OPTS, [3], 0, dtype)
+    c, bn, tb = fused.conv_transpose, fused.batch_norm, twin.batch_norm
+    with torch.no_grad():
+        out = distributed.synced_ct_bn_pool(
+            x, c.weight, c.bias, P_OPTS.scale, bn.weight, bn.bias, bn.running_mean,
+            bn.running_var, 0.3, bn.eps, algo="auto", process_group=None, **conv_options(c))
+        plain = fused_ops.ct_bn_pool(x, c.weight, c.bias, P_OPTS.scale, tb.weight, tb.bias,
+                                     tb.running_mean, tb.running_var, True, 0.3, tb.eps,
+                                     **conv_options(c))
+    assert relerr(out, plain) <= TOL[dtype]
+    assert relerr(bn.running_mean, tb.running_mean) <= TOL[dtype]
+    assert relerr(bn.running_var, tb.running_var) <= TOL[dtype]
+
+
+def test_split_ops_pass_opcheck():
+    torch.manual_seed(0)
+    _, fused = make_models(P_OPTS, torch.float32)
+    c, bn = fused.conv_transpose, fused.batch_norm
+    x = global_input(P_OPTS, [2], 0, torch.float32)
+    w = c.weight.detach()
+    torch.library.opcheck(torch.ops.fused_ops.ct_bn_pool_stats.default, (x, w), conv_options(c))
+    sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(x, w, **conv_options(c))
+    assert sums.dtype == stats.dtype == torch.float64
+    assert sums.shape == (2, 6) and stats.shape == (3, 6)
+    spatial = distributed.out_spatial(x, w, c.stride, c.padding, c.output_padding, c.dilation)
+    assert stats[0, 0].item() == 2 * spatial
+    torch.library.opcheck(torch.ops.fused_ops.ct_bn_pool_apply.default, (
+        sums, stats, spatial, c.bias.detach(), 2.0, bn.weight.detach(), bn.bias.detach(),
+        bn.running_mean, bn.running_var, 0.1, 1e-5, torch.float32))
+
+
+# --- Arguments and the single-process cases ---------------------------------------------------
+
+def test_bad_process_group_is_named():
+    torch.manual_seed(0)
+    _, fused = make_models(P, torch.float32)
+    c, bn = fused.conv_transpose, fused.batch_norm
+    x = global_input(P, [2], 0, torch.float32)
+    args = (x, c.weight, c.bias, 2.0, bn.weight, bn.bias, bn.running_mean, bn.running_var, True)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup"):
+        fused_ops.ct_bn_pool(*args, process_group="world")
+    with pytest.raises(ValueError, match="not a member of process_group"):
+        fused_ops.ct_bn_pool(*args, process_group=dist.GroupMember.NON_GROUP_MEMBER)
+    with pytest.raises(TypeError, match="process_group"):
+        fused_ops.ConvTransposeBNPool3d(3, 5, 2, 2.0, process_group=0)
+    with pytest.raises(TypeError, match="batch_norm must be an nn.BatchNorm3d or nn.SyncBatchNorm"):
+        fused_ops.ConvTransposeBNPool3d.from_modules(nn.ConvTranspose3d(3, 5, 2), 2.0,
+                                                     nn.BatchNorm2d(5))
+
+
+@pytest.mark.skipif(dist.is_available() and dist.is_initialized(), reason="needs no process group")
+@pytest.mark.parametrize("convert", ["before_fuse", "after_fuse", "from_modules"])
+def test_sync_batch_norm_without_a_process_group_is_batch_norm(convert):
+    """As nn.SyncBatchNorm: uninitialized torch.distributed means this process's batch."""
+    torch.manual_seed(0)
+    ref, fused = make_models(P, torch.float64)
+    model = copy.deepcopy(ref)
+    if convert == "before_fuse":
+        model = fused_ops.fuse(nn.SyncBatchNorm.convert_sync_batchnorm(model))
+    elif convert == "after_fuse":
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(fused_ops.fuse(model))
+    else:
+        model = fused_ops.ConvTransposeBNPool3d.from_modules(
+            model.conv_transpose, P.scale,
+            nn.SyncBatchNorm.convert_sync_batchnorm(model.batch_norm))
+    sync_bn = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
+    assert len(sync_bn) == 1
+    for step, mode in enumerate(MODES):
+        model.train(mode == "train")
+        ref.train(mode == "train")
+        x = global_input(P, [3], step, torch.float64)
+        with torch.no_grad():
+            assert relerr(model(x), ref(x)) <= 1e-10, mode
+    if convert != "from_modules":  # the fused chain calls the SyncBatchNorm the model holds
+        assert [m._fused.batch_norm for m in model.modules()
+                if isinstance(m, _FusedChain)] == sync_bn
+    for key, value in ref.state_dict().items():
+        got = model.state_dict()[key]
+        assert relerr(got, value) <= 1e-10 if value.is_floating_point() else torch.equal(got, value)
+
+
+# --- Real process groups: gloo on loopback ----------------------------------------------------
+
+def _count_collectives(calls):
+    """Wraps torch.distributed's collectives so that each call is recorded in `calls`."""
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+        setattr(dist, name, counted)
+
+
+def _run_steps(model, p, batches, rank, dtype, calls, compiled):
+    """Outputs and collectives per step of MODES on this rank's shards."""
+    outs, collectives = [], []
+    for step, mode in enumerate(MODES):
+        model.train(mode == "train")
+        x = global_input(p, batches, step, dtype).split(batches)[rank]
+        del calls[:]
+        # Grad mode, parameters requiring grad (the default), as in training; compiled
+        # modules need no_grad (README).
+        with torch.set_grad_enabled(not compiled):
+            outs.append(model(x).detach())
+        collectives.append(list(calls))
+    return outs, collectives
+
+
+def _scenario_model(name, world_group):
+    """The model of one SCENARIOS entry on this rank (seeded as reference_run seeds)."""
+    _, p, dtype, seed = next(entry for entry in SCENARIOS if entry[0] == name)
+    torch.manual_seed(seed)
+    ref, fused = make_models(p, dtype)
+    if name in ("explicit", "compiled"):
+        model = fused_ops.ConvTransposeBNPool3d.from_modules(
+            fused.conv_transpose, p.scale, fused.batch_norm, process_group=world_group)
+        if name == "explicit":
+            return model
+        # aot_eager: the fake kernels and the traced collective, without inductor's compile time.
+        return torch.compile(model, backend="aot_eager", fullgraph=True)
+    if name == "convert_then_fuse":
+        return fused_ops.fuse(nn.SyncBatchNorm.convert_sync_batchnorm(ref.to(dtype)))
+    return nn.SyncBatchNorm.convert_sync_batchnorm(fused_ops.fuse(ref.to(dtype)))
+
+
+def _group_of_one(rank, world, results):
+    """A group of one process is the plain op; its one-value error leaves the stats alone."""
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    torch.manual_seed(0)
+    _, fused = make_models(P, torch.float64)
+    c, bn = fused.conv_transpose, fused.batch_norm
+    stats = [bn.running_mean.clone(), bn.running_var.clone()]
+    x = global_input(P, [2], rank, torch.float64)
+    args = (c.weight, c.bias, 2.0, bn.weight, bn.bias)
+    with torch.no_grad():
+        synced = fused_ops.ct_bn_pool(x, *args, bn.running_mean, bn.running_var, True,
+                                      process_group=groups[rank])
+        plain = fused_ops.ct_bn_pool(x, *args, *stats, True)
+    results["group_of_one"] = (synced, plain, bn.running_mean.clone(), stats[0])
+    one = torch.randn(1, 3, 1, 1, 1, dtype=torch.float64)
+    point = fused_ops.ConvTransposeBNPool3d(3, 5, 1, 2.0, process_group=groups[rank]).double()
+    before = {k: v.clone() for k, v in point.state_dict().items()}
+    try:
+        point(one)
+        results["one_value_error"] = None
+    except ValueError as e:
+        results["one_value_error"] = str(e)
+    results["one_value_state_unchanged"] = all(
+        torch.equal(v, before[k]) for k, v in point.state_dict().items())
+
+
+def _functional_eval(calls):
+    """Collectives made by the functional in eval mode with a process group of several."""
+    torch.manual_seed(0)
+    _, fused = make_models(P, torch.float32)
+    c, bn = fused.conv_transpose, fused.batch_norm
+    del calls[:]
+    fused_ops.ct_bn_pool(torch.randn(2, 3, 3, 4, 5), c.weight.detach(), c.bias.detach(), 2.0,
+                         bn.weight.detach(), bn.bias.detach(), bn.running_mean, bn.running_var,
+                         False, process_group=dist.group.WORLD)
+    return list(calls)
+
+
+def _worker(rank, world, port, batches, out_dir):
+    if os.path.isdir("/sys/class/net/lo"):  # gloo's transport on loopback
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        calls = []
+        _count_collectives(calls)
+        results = {}
+        for name, p, dtype, _ in SCENARIOS:
+            model = _scenario_model(name, dist.group.WORLD)
+            outs, collectives = _run_steps(model, p, batches, rank, dtype, calls,
+                                           compiled=name == "compiled")
+            state = getattr(model, "_orig_mod", model).state_dict()  # compiled: the module's
+            results[name] = dict(outs=outs, collectives=collectives,
+                                 state={k: v.clone() for k, v in state.items()})
+        _group_of_one(rank, world, results)
+        results["functional_eval_collectives"] = _functional_eval(calls)
+        torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_group(batches, out_dir, timeout_s=120):
+    """Runs _worker on len(batches) processes; fails instead of hanging."""
+    # The store's server lives here, on a port the OS picked (bound to port 0).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    world = len(batches)
+    context = mp.spawn(_worker, args=(world, store.port, batches, str(out_dir)), nprocs=world,
+                       join=False)
+    try:
+        for _ in range(timeout_s):
+            if context.join(timeout=1):
+                break
+        else:
+            pytest.fail(f"gloo group of {world} did not finish within {timeout_s} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+    return [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(world)]
+
+
+def reference_run(p, dtype, seed, batches):
+    """Outputs per step and final state of the float64 unfused pattern on the whole batch."""
+    torch.manual_seed(seed)
+    ref, _ = make_models(p, dtype)
+    outs = []
+    for step, mode in enumerate(MODES):
+        ref.train(mode == "train")
+        with torch.no_grad():
+            outs.append(ref(global_input(p, batches, step, dtype).double()))
+    return outs, ref.state_dict()
+
+
+@pytest.fixture(scope="module", params=[[3, 5], [1, 4, 2]], ids=["2ranks", "3ranks"])
+def group_run(request, tmp_path_factory):
+    batches = request.param
+    return batches, run_group(batches, tmp_path_factory.mktemp(f"gloo{len(batches)}"))
+
+
+@pytest.mark.parametrize("name, p, dtype, seed", SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_gloo_group_matches_the_concatenated_batch(group_run, name, p, dtype, seed):
+    batches, results = group_run
+    expected_outs, expected_state = reference_run(p, dtype, seed, batches)
+    offsets = [sum(batches[:r]) for r in range(len(batches))]
+    for rank, result in enumerate(results):
+        got = result[name]
+        for step, mode in enumerate(MODES):
+            want = expected_outs[step][offsets[rank]:offsets[rank] + batches[rank]]
+            assert relerr(got["outs"][step], want) <= TOL[dtype], (rank, step, mode)
+            # One collective per training call, none in eval.
+            assert got["collectives"][step] == (["all_gather_into_tensor"] if mode == "train" else [])
+        for key, value in expected_state.items():
+            state = got["state"][key]
+            if value.is_floating_point():
+                assert relerr(state, value) <= TOL[dtype], (rank, key)
+            else:
+                assert torch.equal(state, value), (rank, key)
+            # Every rank updates its running statistics from the same global ones.
+            assert torch.equal(state, results[0][name]["state"][key]), (rank, key)
+
+
+def test_gloo_group_of_one_is_the_plain_op(group_run):
+    _, results = group_run
+    for result in results:
+        synced, plain, synced_mean, plain_mean = result["group_of_one"]
+        assert torch.equal(synced, plain) and torch.equal(synced_mean, plain_mean)
+        assert "Expected more than 1 value per channel when training" in result["one_value_error"]
+        assert result["one_value_state_unchanged"]
+
+
+def test_gloo_eval_mode_makes_no_collective(group_run):
+    _, results = group_run
+    for result in results:
+        assert result["functional_eval_collectives"] == []
