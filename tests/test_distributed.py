@@ -26,6 +26,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.dis
 P = Problem(0, 3, 5, (3, 4, 5), (2, 3, 2))  # the batch size is set per rank
 P_OPTS = Problem(0, 4, 6, (3, 2, 4), (3, 2, 2), scale=-1.5, momentum=None, conv_kwargs=dict(
     stride=(2, 1, 2), padding=(1, 0, 1), output_padding=(1, 0, 0), dilation=(1, 2, 1), groups=2))
+# One output position per sample: a rank with one sample has one value per channel.
+P_POINT = Problem(0, 3, 4, (1, 1, 1), (1, 1, 1))
 TOL = {torch.float32: 1e-6, torch.float64: 1e-10}
 MODES = ["train", "train", "eval", "train"]
 # Each way of asking for synchronized statistics: (name, problem, dtype, seed).
@@ -104,7 +106,8 @@ def test_one_value_per_channel_over_the_group_is_refused():
 # --- The synced path, with the all-gather simulated in this process ---------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("p, batches", [(P, [3, 1, 5]), (P_OPTS, [2, 4])], ids=["3ranks", "opts"])
+@pytest.mark.parametrize("p, batches", [(P, [3, 1, 5]), (P_OPTS, [2, 4]), (P_POINT, [0, 1, 2])],
+                         ids=["3ranks", "opts", "empty_and_single_value_ranks"])
 def test_simulated_group_matches_the_concatenated_batch(p, batches, dtype, monkeypatch):
     torch.manual_seed(0)
     ref, fused = make_models(p, dtype)
