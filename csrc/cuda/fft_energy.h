@@ -10,7 +10,8 @@
 namespace fused_ops {
 
 // Whether the FFT path computes this problem: a full linear convolution
-// (stride 1, padding 0, output_padding 0) with kernels of at most kMaxFftKernel taps per dim.
+// (stride 1, padding 0, output_padding 0), a kernel height of at most
+// kMaxFftKernel, and tiles that fit the kernels' shared memory.
 constexpr int64_t kMaxFftKernel = 16;
 bool fft_energy_applies(const ConvGeometry& g);
 
