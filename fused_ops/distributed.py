@@ -26,10 +26,6 @@ def check_process_group(process_group) -> None:
         raise ValueError("ct_bn_pool: this process is not a member of process_group")
 
 
-def group_size(process_group) -> int:
-    return dist.get_world_size(process_group)
-
-
 def out_spatial(x: Tensor, weight: Tensor, stride, padding, output_padding, dilation) -> int:
     """Do * Ho * Wo of the ConvTranspose3d output (docs/math.md, top), from shapes only."""
     n = 1
@@ -47,7 +43,7 @@ def all_gather_stats(stats: Tensor, process_group) -> Tensor:
     current stream (pytorch/pytorch#150398; before that, on its own stream joined to the
     current one), so the ops that follow are ordered after it without a host wait.
     """
-    world = group_size(process_group)
+    world = dist.get_world_size(process_group)
     out = stats.new_empty((world * stats.shape[0], stats.shape[1]))
     # Detached: the op has no gradient anyway, and a collective cannot write a tensor
     # that requires grad into `out` (gloo copies through views of it).

@@ -93,7 +93,7 @@ def ct_bn_pool(
                 dilation=_triple(dilation, "dilation"), groups=int(groups), algo=algo)
     if process_group is not None:
         distributed.check_process_group(process_group)
-        if training and distributed.group_size(process_group) > 1:
+        if training and torch.distributed.get_world_size(process_group) > 1:
             return distributed.synced_ct_bn_pool(
                 x, weight, bias, float(scale), bn_weight, bn_bias, running_mean, running_var,
                 float(momentum), float(eps), process_group=process_group, **conv)
