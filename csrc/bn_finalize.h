@@ -60,6 +60,34 @@ FO_HD void batch_channel_stats(const FinalizeArgs<scalar_t>& a, int64_t c, int64
   stats[2] = block_sum(q);
 }
 
+// How channel c's pooled outputs follow from the samples' conv sums:
+// out = (scale * sum / spatial - shift) * inv_std * gamma + beta (docs/math.md §4).
+struct ChannelNorm {
+  double shift, inv_std, gamma, beta;
+};
+
+template <typename scalar_t>
+FO_HD ChannelNorm channel_norm(const FinalizeArgs<scalar_t>& a, int64_t c, double shift,
+                               double var_z) {
+  return {shift, 1.0 / sqrt(var_z + a.eps), a.gamma ? static_cast<double>(a.gamma[c]) : 1.0,
+          a.beta ? static_cast<double>(a.beta[c]) : 0.0};
+}
+
+// Eval mode: the running statistics, given for z = scale * (conv + bias).
+template <typename scalar_t>
+FO_HD ChannelNorm eval_channel_norm(const FinalizeArgs<scalar_t>& a, int64_t c) {
+  const double bias = a.bias ? static_cast<double>(a.bias[c]) : 0.0;
+  return channel_norm(a, c, static_cast<double>(a.running_mean[c]) - a.scale * bias,
+                      static_cast<double>(a.running_var[c]));
+}
+
+template <typename scalar_t>
+FO_HD void write_pooled(const FinalizeArgs<scalar_t>& a, const ChannelNorm& n, int64_t b, int64_t c,
+                        double sample_sum) {
+  const double z_mean = a.scale * sample_sum / static_cast<double>(a.spatial);
+  a.out[b * a.channels + c] = static_cast<scalar_t>((z_mean - n.shift) * n.inv_std * n.gamma + n.beta);
+}
+
 // Finalizes channel c (docs/math.md §4). Work over the batch is split as
 // b = first, first + step, ...; `sample_sum(b)` gives the conv sum of sample b
 // (the CUDA kernel precomputes them cooperatively); `block_sum` must return the
@@ -71,46 +99,38 @@ FO_HD void batch_channel_stats(const FinalizeArgs<scalar_t>& a, int64_t c, int64
 template <typename scalar_t, typename SampleSum, typename BlockSum>
 FO_HD void finalize_channel(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t first, int64_t step,
                             SampleSum sample_sum, BlockSum block_sum) {
-  const double n_sp = static_cast<double>(a.spatial);
-  const double bias = a.bias ? static_cast<double>(a.bias[c]) : 0.0;
-  double shift, var_z;  // z's per-sample mean minus shift is the centred value
-  if (a.batch_stats) {
-    double stats[3];
-    if (a.stats_in) {
-      for (int k = 0; k < 3; ++k) stats[k] = a.stats_in[k * a.channels + c];
-    } else {
-      batch_channel_stats(a, c, first, step, sample_sum, block_sum, stats);
-    }
-    if (a.stats_out) {
-      for (int64_t b = first; b < a.batch; b += step) {
-        a.sample_sums_out[b * a.channels + c] = sample_sum(b);
-      }
-      if (first == 0) {
-        for (int k = 0; k < 3; ++k) a.stats_out[k * a.channels + c] = stats[k];
-      }
-      return;
-    }
-    const double count = stats[0], mu = stats[1];
-    const double var_y = stats[2] / count;  // biased: what normalization uses
-    shift = a.scale * mu;  // the bias cancels between a sample's mean and the batch mean
-    var_z = a.scale * a.scale * var_y;
-    if (first == 0 && a.running_mean) {
-      const double m = a.momentum, mean_z = a.scale * (mu + bias);
-      a.running_mean[c] = static_cast<scalar_t>((1 - m) * a.running_mean[c] + m * mean_z);
-      a.running_var[c] =
-          static_cast<scalar_t>((1 - m) * a.running_var[c] + m * var_z * count / (count - 1));
-    }
+  if (!a.batch_stats) {
+    const ChannelNorm n = eval_channel_norm(a, c);
+    for (int64_t b = first; b < a.batch; b += step) write_pooled(a, n, b, c, sample_sum(b));
+    return;
+  }
+  double stats[3];
+  if (a.stats_in) {
+    for (int k = 0; k < 3; ++k) stats[k] = a.stats_in[k * a.channels + c];
   } else {
-    shift = static_cast<double>(a.running_mean[c]) - a.scale * bias;
-    var_z = static_cast<double>(a.running_var[c]);
+    batch_channel_stats(a, c, first, step, sample_sum, block_sum, stats);
   }
-  const double inv_std = 1.0 / sqrt(var_z + a.eps);
-  const double gamma = a.gamma ? static_cast<double>(a.gamma[c]) : 1.0;
-  const double beta = a.beta ? static_cast<double>(a.beta[c]) : 0.0;
-  for (int64_t b = first; b < a.batch; b += step) {
-    const double z_mean = a.scale * sample_sum(b) / n_sp;
-    a.out[b * a.channels + c] = static_cast<scalar_t>((z_mean - shift) * inv_std * gamma + beta);
+  if (a.stats_out) {
+    for (int64_t b = first; b < a.batch; b += step) {
+      a.sample_sums_out[b * a.channels + c] = sample_sum(b);
+    }
+    if (first == 0) {
+      for (int k = 0; k < 3; ++k) a.stats_out[k * a.channels + c] = stats[k];
+    }
+    return;
   }
+  const double count = stats[0], mu = stats[1];
+  const double var_z = a.scale * a.scale * stats[2] / count;  // biased: what normalization uses
+  if (first == 0 && a.running_mean) {
+    const double m = a.momentum;
+    const double bias = a.bias ? static_cast<double>(a.bias[c]) : 0.0;
+    a.running_mean[c] = static_cast<scalar_t>((1 - m) * a.running_mean[c] + m * a.scale * (mu + bias));
+    a.running_var[c] =
+        static_cast<scalar_t>((1 - m) * a.running_var[c] + m * var_z * count / (count - 1));
+  }
+  // The bias cancels between a sample's mean and the batch mean.
+  const ChannelNorm n = channel_norm(a, c, a.scale * mu, var_z);
+  for (int64_t b = first; b < a.batch; b += step) write_pooled(a, n, b, c, sample_sum(b));
 }
 
 }  // namespace fused_ops

@@ -10,6 +10,9 @@
 // Unrolled loops in the shared routines (the host compiler ignores the hint).
 #if defined(__CUDACC__)
 #define FO_UNROLL _Pragma("unroll")
+#define FO_PRAGMA(text) _Pragma(#text)
+#define FO_UNROLL_BY(n) FO_PRAGMA(unroll n)
 #else
 #define FO_UNROLL
+#define FO_UNROLL_BY(n)
 #endif

@@ -33,7 +33,25 @@ struct SampleSums {
     return s;
   }
 
-  FO_HD double conv_sum(int64_t b, int64_t co) const { return conv_sum_part(b, co, 0, 1); }
+  // The whole contraction for (b, co) in one thread: the same terms in the same
+  // order as conv_sum_part(b, co, 0, 1), without its divisions per term.
+  FO_HD double conv_sum(int64_t b, int64_t co) const {
+    const int64_t group = co / out_group_channels, co_g = co % out_group_channels;
+    const int64_t w_parts = w_part_stride ? parts : 1;
+    const double* xr = x_red + (b * in_channels + group * in_group_channels) * parts;
+    const double* wr = w_red + (group * in_group_channels * out_group_channels + co_g) * w_parts;
+    double s = 0;
+    if (parts == 1) {  // the common case, unrolled so that a CUDA thread has loads in flight
+      FO_UNROLL_BY(4)
+      for (int64_t ci = 0; ci < in_group_channels; ++ci) s += xr[ci] * wr[ci * out_group_channels];
+      return s;
+    }
+    for (int64_t ci = 0; ci < in_group_channels; ++ci) {
+      const double* w_ci = wr + ci * out_group_channels * w_parts;
+      for (int64_t j = 0; j < parts; ++j) s += xr[ci * parts + j] * w_ci[j * w_part_stride];
+    }
+    return s;
+  }
 };
 
 }  // namespace fused_ops
