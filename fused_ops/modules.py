@@ -97,35 +97,56 @@ class ConvTransposeBNPool3d(nn.Module):
     def sync_group(self):
         """The process group whose batches training mode normalizes over, or None (this
         process's batch): ``process_group`` if set, else that of an ``nn.SyncBatchNorm``
-        ``batch_norm`` (the default group if None) once torch.distributed is initialized,
-        as nn.SyncBatchNorm decides."""
-        if self.process_group is not None:
-            return self.process_group
-        bn = self.batch_norm
-        if isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized():
-            return bn.process_group if bn.process_group is not None else dist.group.WORLD
-        return None
+        ``batch_norm`` (see :func:`batch_norm_sync_group`)."""
+        return batch_norm_sync_group(self.batch_norm, self.process_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        conv, bn = self.conv_transpose, self.batch_norm
-        # The same decisions as nn.BatchNorm3d.forward; num_batches_tracked is
-        # counted only once the op has accepted the call.
-        counting = self.training and bn.track_running_stats and bn.num_batches_tracked is not None
-        if bn.momentum is None:
-            factor = 1.0 / float(bn.num_batches_tracked + 1) if counting else 0.0
-        else:
-            factor = bn.momentum
-        use_batch_stats = self.training or (bn.running_mean is None and bn.running_var is None)
-        track = not self.training or bn.track_running_stats
-        out = ct_bn_pool(
-            x, conv.weight, conv.bias, self.scale_factor, bn.weight, bn.bias,
-            bn.running_mean if track else None, bn.running_var if track else None,
-            use_batch_stats, factor, bn.eps,
-            stride=conv.stride, padding=conv.padding, output_padding=conv.output_padding,
-            dilation=conv.dilation, groups=conv.groups, algo=self.algo,
-            # nn.SyncBatchNorm syncs only in training mode (not for eval without running stats).
-            process_group=self.sync_group() if self.training else None,
-        )
-        if counting:
-            bn.num_batches_tracked.add_(1)
-        return out
+        conv = self.conv_transpose
+        return ct_bn_pool_by_module(x, conv.weight, conv.bias, self.scale_factor,
+                                    self.batch_norm, self.training, self.process_group,
+                                    algo=self.algo, **conv_transpose_options(conv))
+
+
+def conv_transpose_options(conv: nn.ConvTranspose3d) -> dict:
+    """The options of ``conv`` as :func:`ct_bn_pool` takes them."""
+    return dict(stride=conv.stride, padding=conv.padding, output_padding=conv.output_padding,
+                dilation=conv.dilation, groups=conv.groups)
+
+
+def batch_norm_sync_group(bn: nn.Module, process_group=None):
+    """The process group whose batches training mode normalizes over, or None (this
+    process's batch): ``process_group`` if given, else, once torch.distributed is
+    initialized, that of an ``nn.SyncBatchNorm`` ``bn`` (the default group if None), as
+    nn.SyncBatchNorm decides."""
+    if process_group is not None:
+        return process_group
+    if isinstance(bn, nn.SyncBatchNorm) and dist.is_available() and dist.is_initialized():
+        return bn.process_group if bn.process_group is not None else dist.group.WORLD
+    return None
+
+
+def ct_bn_pool_by_module(x, weight, bias, scale, bn, training, process_group=None, **options):
+    """:func:`ct_bn_pool` with the batch norm's arguments taken from ``bn`` (an
+    ``nn.BatchNorm3d`` or ``nn.SyncBatchNorm``) as its ``forward`` takes them in mode
+    ``training``: ``momentum=None`` is a cumulative average, ``track_running_stats=False``
+    always uses batch statistics, ``num_batches_tracked`` counts (once the op has accepted
+    the call), and training statistics are synchronized over
+    ``batch_norm_sync_group(bn, process_group)``. ``options``: ct_bn_pool's keywords."""
+    # The same decisions as nn.BatchNorm3d.forward.
+    counting = training and bn.track_running_stats and bn.num_batches_tracked is not None
+    if bn.momentum is None:
+        factor = 1.0 / float(bn.num_batches_tracked + 1) if counting else 0.0
+    else:
+        factor = bn.momentum
+    use_batch_stats = training or (bn.running_mean is None and bn.running_var is None)
+    track = not training or bn.track_running_stats
+    out = ct_bn_pool(
+        x, weight, bias, scale, bn.weight, bn.bias,
+        bn.running_mean if track else None, bn.running_var if track else None,
+        use_batch_stats, factor, bn.eps,
+        # nn.SyncBatchNorm syncs only in training mode (not for eval without running stats).
+        process_group=batch_norm_sync_group(bn, process_group) if training else None,
+        **options)
+    if counting:
+        bn.num_batches_tracked.add_(1)
+    return out

@@ -221,7 +221,7 @@ def test_sync_batch_norm_without_a_process_group_is_batch_norm(convert):
         with torch.no_grad():
             assert relerr(model(x), ref(x)) <= 1e-10, mode
     if convert != "from_modules":  # the fused chain calls the SyncBatchNorm the model holds
-        assert [m._fused.batch_norm for m in model.modules()
+        assert [m.batch_norm for m in model.modules()
                 if isinstance(m, _FusedChain)] == sync_bn
     for key, value in ref.state_dict().items():
         got = model.state_dict()[key]
