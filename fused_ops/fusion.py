@@ -116,8 +116,10 @@ def fuse(model: nn.Module, algo: str = "auto") -> fx.GraphModule:
         conv, scale, bn = chain
         name = f"{conv.target.replace('.', '_')}_fused"
         bn_parent, _, bn_name = bn.target.rpartition(".")
-        gm.add_submodule(name, _FusedChain(gm.get_submodule(conv.target), scale,
-                                           gm.get_submodule(bn_parent), bn_name, algo))
+        fused_chain = _FusedChain(gm.get_submodule(conv.target), scale,
+                                  gm.get_submodule(bn_parent), bn_name, algo)
+        # In the model's mode: a new module starts in training mode whatever the model's is.
+        gm.add_submodule(name, fused_chain.train(gm.training))
         with gm.graph.inserting_before(pool):
             fused = gm.graph.call_module(name, (conv.args[0],))
         pool.replace_all_uses_with(fused)

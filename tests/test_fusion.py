@@ -118,6 +118,17 @@ def test_near_misses_are_left_alone(model_cls):
         assert torch.equal(fused(x), model(x))
 
 
+def test_fused_chain_starts_in_the_models_mode():
+    """A model fused in eval mode normalizes with its running statistics from the first call."""
+    model = AmongOtherLayers().double().eval()
+    unfused = copy.deepcopy(model)
+    fused = fused_ops.fuse(model)
+    x = torch.randn(2, 3, 3, 4, 5, dtype=torch.float64)
+    with torch.no_grad():
+        assert relerr(fused(x), unfused(x)) <= 1e-10
+    assert torch.equal(model.norm.running_mean, unfused.norm.running_mean)
+
+
 def test_fused_model_keeps_the_optimizer_working():
     model = AmongOtherLayers()
     fused = fused_ops.fuse(model)
