@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fused_ops
-from conftest import DEVICES, relerr
+from conftest import DEVICES, assert_gradients_match, relerr
 from fused_ops.fusion import _FusedChain
 
 
@@ -129,14 +129,19 @@ def test_fused_chain_starts_in_the_models_mode():
     assert torch.equal(model.norm.running_mean, unfused.norm.running_mean)
 
 
-def test_fused_model_keeps_the_optimizer_working():
-    model = AmongOtherLayers()
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_fused_model_trains_like_the_unfused_one(training):
+    """Gradients flow through the fused op to every parameter, as through the pattern."""
+    model = AmongOtherLayers().double().train(training)
+    unfused = copy.deepcopy(model)
     fused = fused_ops.fuse(model)
-    optimizer = torch.optim.SGD(model.head.parameters(), lr=0.1)
-    before = model.head.weight.clone()
-    with torch.no_grad():
-        features = fused.up_fused(torch.relu(fused.stem(torch.randn(2, 3, 3, 4, 5))))
-    fused.head(features.flatten(1)).sum().backward()
+    x = torch.randn(2, 3, 3, 4, 5, dtype=torch.float64)
+    fused(x).sum().backward()
+    unfused(x).sum().backward()
+    assert_gradients_match({n: p.grad for n, p in model.named_parameters()},
+                           {n: p.grad for n, p in unfused.named_parameters()}, 1e-10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.up.weight.clone()
     optimizer.step()
-    assert not torch.equal(model.head.weight, before)
+    assert not torch.equal(model.up.weight, before)
     assert fused.head.weight is model.head.weight
