@@ -72,7 +72,8 @@ class _CtBnPoolBackward(torch.autograd.Function):
             # mutation of the buffers. Giving the op the buffers themselves made inductor
             # (torch 2.14) save the reinplaced buffer for the backward and reuse its memory
             # for a gradient there, overwriting running_mean.
-            eval_stats = (call["running_mean"].clone(), call["running_var"].clone())
+            eval_stats = tuple(None if stat is None else stat.clone()  # None: the op refuses
+                               for stat in (call["running_mean"], call["running_var"]))
             args = (*args[:_RUNNING_MEAN], *eval_stats, *args[_RUNNING_VAR + 1:])
         out = _redispatch_below_autograd(keyset, args, kwargs)
         # Training normalizes with batch statistics: the backward recomputes them from the
