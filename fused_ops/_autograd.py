@@ -137,7 +137,8 @@ def _eval_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, running_mean, 
         # One call: the input gradient of g spread over the positions, with the weight
         # scaled by coef per output channel, is grad_x; the weight gradient of the unscaled
         # g is G[ci, c, k] = sum_b g[b, c] T[b, ci, k] (§6.1), which both grad_weight and
-        # grad_bn_weight are made of. expand: no [B, C, Do, Ho, Wo] tensor is written here.
+        # grad_bn_weight are made of. expand: no [B, C, Do, Ho, Wo] tensor is written here
+        # (convolution_backward may make one contiguous).
         g_field = g.view(*g.shape, 1, 1, 1).expand(*g.shape, *size)
         scaled = weight * _per_weight(coef, weight, ctx.conv["groups"]) if needs["x"] else weight
         grads["x"], tap_sums = _convolution_backward(ctx, g_field, x, scaled, needs["x"],

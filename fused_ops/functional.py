@@ -88,7 +88,7 @@ def ct_bn_pool(
     (closed form, ``docs/math.md`` §6; traced by ``torch.compile``). The backward of
     training mode recomputes the convolution output with ATen, so it costs about what
     PyTorch's own backward of the unfused modules costs; eval mode's needs one
-    ``convolution_backward`` and no conv output. ``running_mean``/``running_var`` are not
+    ``convolution_backward`` and does not recompute the convolution. ``running_mean``/``running_var`` are not
     differentiable (one that requires grad is refused). With ``process_group`` over several
     processes in training mode the op is forward only: a backward raises, naming
     ``fused_ops::ct_bn_pool_apply``.
