@@ -15,8 +15,8 @@ dispatcher calls they use:
   op alone otherwise;
 - ``ADInplaceOrView``: bumps the running statistics' version counters when the call writes
   them (``training=True``), as every in-place op does, so that autograd detects a saved
-  tensor changed under it. Eval mode does not write them, so it does not bump them either,
-  which would invalidate, for nothing, graphs that saved them.
+  tensor changed under it. Eval mode does not write them and does not bump them: a bump
+  would invalidate, for nothing, graphs that saved them.
 
 The two are Python kernels: a call from Python pays for them (about 10 us on a slow CPU)
 unless autograd is off for the tensors (``torch.inference_mode``).
