@@ -43,15 +43,18 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def("build_info() -> str", &build_info);
 }
 
-// Forward only: a backward through the op raises instead of returning wrong
-// gradients, and in-place writes to the running stats bump their versions.
+// ct_bn_pool's autograd formula and its version-counter bump are registered in
+// Python (fused_ops/_autograd.py). The two halves of the synchronized training
+// step have no backward: one through them raises, naming the op, instead of
+// returning wrong gradients, and their in-place writes to the running stats
+// bump the versions.
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
-  for (const char* op : {"ct_bn_pool", "ct_bn_pool_stats", "ct_bn_pool_apply"}) {
+  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }
 TORCH_LIBRARY_IMPL(fused_ops, ADInplaceOrView, m) {
-  for (const char* op : {"ct_bn_pool", "ct_bn_pool_stats", "ct_bn_pool_apply"}) {
+  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply"}) {
     m.impl(op, torch::autograd::autogradNotImplementedInplaceOrViewFallback());
   }
 }

@@ -11,6 +11,7 @@ import torch
 
 from . import _C  # noqa: F401  (loads the kernels; registers torch.ops.fused_ops)
 from . import _fake  # noqa: F401  (fake kernel for torch.compile / export)
+from . import _autograd  # noqa: F401  (ct_bn_pool's backward; docs/math.md §6)
 from .functional import ct_bn_pool
 from .fusion import fuse
 from .modules import ConvTransposeBNPool3d

@@ -26,13 +26,16 @@ def check_process_group(process_group) -> None:
         raise ValueError("ct_bn_pool: this process is not a member of process_group")
 
 
+def out_size(x: Tensor, weight: Tensor, stride, padding, output_padding, dilation) -> list:
+    """[Do, Ho, Wo] of the ConvTranspose3d output (docs/math.md, top), from shapes only."""
+    return [(x.shape[2 + d] - 1) * stride[d] - 2 * padding[d]
+            + dilation[d] * (weight.shape[2 + d] - 1) + output_padding[d] + 1 for d in range(3)]
+
+
 def out_spatial(x: Tensor, weight: Tensor, stride, padding, output_padding, dilation) -> int:
-    """Do * Ho * Wo of the ConvTranspose3d output (docs/math.md, top), from shapes only."""
-    n = 1
-    for d in range(3):
-        n *= ((x.shape[2 + d] - 1) * stride[d] - 2 * padding[d]
-              + dilation[d] * (weight.shape[2 + d] - 1) + output_padding[d] + 1)
-    return n
+    """Do * Ho * Wo of the ConvTranspose3d output, from shapes only."""
+    depth, height, width = out_size(x, weight, stride, padding, output_padding, dilation)
+    return depth * height * width
 
 
 def all_gather_stats(stats: Tensor, process_group) -> Tensor:

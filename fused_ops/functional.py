@@ -84,7 +84,14 @@ def ct_bn_pool(
         ValueError: for bad values (negative eps, unknown ``algo``, training with one value
             per channel, ...). Nothing is modified by a rejected call.
 
-    The op has no autograd formula: calling ``backward`` through it raises.
+    Autograd: gradients flow to ``x``, ``weight``, ``bias``, ``bn_weight`` and ``bn_bias``
+    (closed form, ``docs/math.md`` §6; traced by ``torch.compile``). The backward of
+    training mode recomputes the convolution output with ATen, so it costs about what
+    PyTorch's own backward of the unfused modules costs; eval mode's needs one
+    ``convolution_backward`` and does not recompute the convolution. ``running_mean``/``running_var`` are not
+    differentiable (one that requires grad is refused). With ``process_group`` over several
+    processes in training mode the op is forward only: a backward raises, naming
+    ``fused_ops::ct_bn_pool_apply``.
     """
     if not isinstance(scale, numbers.Real):
         raise TypeError(f"ct_bn_pool: scale must be a Python number, got {type(scale).__name__}")

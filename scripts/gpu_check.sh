@@ -3,6 +3,7 @@
 # build against the machine's torch, run the CUDA tests, compute-sanitizer and
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
+#                        [backward]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -64,6 +65,11 @@ if want bench; then
   step bench
   (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed --no-compile \
     --algos auto,fft,sliced_conv --out "$OUT") 2>&1 | tee "$OUT/bench-seed.log" | tail -20 || status=1
+fi
+if want backward; then
+  step backward
+  # Forward + backward against the unfused modules: time, peak memory, gradient error.
+  (cd /tmp && python3 "$REPO/scripts/backward_check.py" cuda) 2>&1 | tee "$OUT/backward.log" || status=1
 fi
 if want dist; then
   step dist

@@ -55,6 +55,22 @@ def relerr(out, ref):
     return ((out - ref).norm() / ref.norm()).item()
 
 
+def assert_gradients_match(got: dict, want: dict, tolerance: float):
+    """Each gradient in `got` within `tolerance` relative error of the one in `want`.
+
+    A gradient that is zero in exact arithmetic (the conv bias's in training mode: the batch
+    mean removes the bias) is rounding noise in the reference, so one that is tiny next to
+    the largest gradient is compared in absolute terms, against that largest gradient.
+    """
+    largest = max(g.detach().double().cpu().norm().item() for g in want.values())
+    for name, value in want.items():
+        assert got[name] is not None, name
+        if value.detach().double().cpu().norm().item() <= tolerance * largest:
+            assert got[name].detach().double().cpu().norm().item() <= tolerance * largest, name
+        else:
+            assert relerr(got[name], value) <= tolerance, name
+
+
 def randomize(ref):
     """Non-trivial BN parameters and running stats (fresh random, never zeros)."""
     bn = ref.batch_norm

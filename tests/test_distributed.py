@@ -250,8 +250,9 @@ def _run_steps(model, p, batches, rank, dtype, calls, compiled):
         model.train(mode == "train")
         x = global_input(p, batches, step, dtype).split(batches)[rank]
         del calls[:]
-        # Grad mode, parameters requiring grad (the default), as in training; compiled
-        # modules need no_grad (README).
+        # Grad mode, parameters requiring grad (the default), as in training. Compiled,
+        # synchronized statistics need no_grad: ct_bn_pool_stats/apply have no backward
+        # for AOTAutograd to trace (README).
         with torch.set_grad_enabled(not compiled):
             outs.append(model(x).detach())
         collectives.append(list(calls))

@@ -57,16 +57,23 @@ CASES = {
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("autograd", [False, True], ids=["no_grad_input", "weight_requires_grad"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_rejected_call_mutates_nothing(case, device):
+def test_rejected_call_mutates_nothing(case, autograd, device):
+    """Also through the autograd kernel (fused_ops/_autograd.py), which runs when an input
+    requires grad: the same error, nothing modified, no version bump."""
     a = arguments(device)
     mutate, error, message = CASES[case]
     mean, var = a["running_mean"].clone(), a["running_var"].clone()
     kept_mean, kept_var = a["running_mean"], a["running_var"]
+    versions = kept_mean._version, kept_var._version
     mutate(a)
+    if autograd:
+        a["weight"] = a["weight"].detach().requires_grad_()
     with pytest.raises(error, match=message):
         fused_ops.ct_bn_pool(**a)
     assert torch.equal(kept_mean, mean) and torch.equal(kept_var, var)
+    assert (kept_mean._version, kept_var._version) == versions
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fused_ops
-from conftest import DEVICES, relerr
+from conftest import DEVICES, assert_gradients_match, relerr
 from fused_ops.fusion import _FusedChain
 
 
@@ -372,15 +372,30 @@ def test_fused_model_reads_the_tensors_at_each_call():
     assert relerr(fused.running_var, reference.running_var) <= 1e-10
 
 
-def test_fused_model_keeps_the_optimizer_working():
-    model = AmongOtherLayers()
+def test_fused_chain_starts_in_the_models_mode():
+    """A model fused in eval mode normalizes with its running statistics from the first call."""
+    model = AmongOtherLayers().double().eval()
+    unfused = copy.deepcopy(model)
     fused = fused_ops.fuse(model)
-    # The fused op has no backward: train only what follows it.
-    for module in (model.stem, model.up, model.norm):
-        module.requires_grad_(False)
-    optimizer = torch.optim.SGD(model.head.parameters(), lr=0.1)
-    before = model.head.weight.clone()
-    fused(torch.randn(2, 3, 3, 4, 5)).sum().backward()
+    x = torch.randn(2, 3, 3, 4, 5, dtype=torch.float64)
+    with torch.no_grad():
+        assert relerr(fused(x), unfused(x)) <= 1e-10
+    assert torch.equal(model.norm.running_mean, unfused.norm.running_mean)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_fused_model_trains_like_the_unfused_one(training):
+    """Gradients flow through the fused op to every parameter, as through the pattern."""
+    model = AmongOtherLayers().double().train(training)
+    unfused = copy.deepcopy(model)
+    fused = fused_ops.fuse(model)
+    x = torch.randn(2, 3, 3, 4, 5, dtype=torch.float64)
+    fused(x).sum().backward()
+    unfused(x).sum().backward()
+    assert_gradients_match({n: p.grad for n, p in model.named_parameters()},
+                           {n: p.grad for n, p in unfused.named_parameters()}, 1e-10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.up.weight.clone()
     optimizer.step()
-    assert not torch.equal(model.head.weight, before)
+    assert not torch.equal(model.up.weight, before)
     assert fused.head.weight is model.head.weight

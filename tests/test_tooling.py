@@ -1,4 +1,6 @@
 """The op under PyTorch's tooling: opcheck, FakeTensor, torch.compile, autograd."""
+import math
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -97,11 +99,35 @@ def test_exported_program_matches_eager(training, device):
     assert_same_state(exported, eager)
 
 
-def test_backward_raises_instead_of_returning_wrong_gradients():
+def test_backward_flows_through_the_op():
+    """ct_bn_pool has a backward (tests/test_autograd.py checks its values)."""
     _, fused = make_models(P, torch.float32)
     x = make_input(P).requires_grad_()
-    out = fused(x)
-    with pytest.raises(RuntimeError, match="not implemented"):
+    fused(x).sum().backward()
+    assert x.grad is not None and fused.conv_transpose.weight.grad is not None
+
+
+def synchronized_half_output(op):
+    """The output of ct_bn_pool_stats or ct_bn_pool_apply (the synchronized training step's
+    halves, fused_ops/distributed.py) computed from an input that requires grad."""
+    _, fused = make_models(P, torch.float64)
+    c, bn = fused.conv_transpose, fused.batch_norm
+    x = make_input(P, torch.float64).requires_grad_(op == "stats")
+    sample_sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(x, c.weight.detach())
+    if op == "stats":
+        return sample_sums
+    spatial = math.prod(s + k - 1 for s, k in zip(P.size, P.kernel))
+    return torch.ops.fused_ops.ct_bn_pool_apply(
+        sample_sums, stats, spatial, None, 2.0, bn.weight, None, bn.running_mean,
+        bn.running_var, 0.1, 1e-5, torch.float64)  # bn.weight requires grad
+
+
+@pytest.mark.parametrize("op", ["stats", "apply"])
+def test_backward_through_the_synchronized_halves_raises_naming_the_op(op):
+    """They have no backward: a backward through them raises instead of returning wrong
+    gradients (README, docs/distributed.md)."""
+    out = synchronized_half_output(op)
+    with pytest.raises(RuntimeError, match=f"fused_ops::ct_bn_pool_{op} is not implemented"):
         out.sum().backward()
 
 

@@ -1,0 +1,222 @@
+"""Autograd for ``fused_ops::ct_bn_pool``: the closed-form backward of ``docs/math.md`` §6.
+
+The backward is made of ATen ops only (a recomputed transposed convolution, reductions and
+``aten.convolution_backward``), so AOTAutograd traces it and ``torch.compile`` compiles
+modules whose parameters require grad.
+
+Why not ``torch.library.register_autograd``: it refuses operators whose schema mutates an
+input ("Cannot register autograd formula for non-functional operator"), and ct_bn_pool
+writes ``running_mean``/``running_var`` (``Tensor(a!)?``). So this module registers the two
+kernels that ``register_autograd`` (for the autograd formula) and ``torch.library.custom_op``
+(for the version bump of mutated inputs) would register, for this op, with the same
+dispatcher calls they use:
+
+- ``Autograd``: an ``autograd.Function`` around the op when an input requires grad, the
+  op alone otherwise;
+- ``ADInplaceOrView``: bumps the running statistics' version counters when the call writes
+  them (``training=True``), as every in-place op does, so that autograd detects a saved
+  tensor changed under it. Eval mode does not write them and does not bump them: a bump
+  would invalidate, for nothing, graphs that saved them.
+
+The two are Python kernels: a call from Python pays for them (about 10 us on a slow CPU)
+unless autograd is off for the tensors (``torch.inference_mode``).
+
+PyTorch's compile caches (FX graph, AOTAutograd) key on the traced graph, not on these
+kernels: after changing this file, clear them or set ``TORCHINDUCTOR_FX_GRAPH_CACHE=0
+TORCHINDUCTOR_AUTOGRAD_CACHE=0``, or a compiled backward of the old formula may be reused.
+
+``ct_bn_pool_stats`` and ``ct_bn_pool_apply`` (the halves of the synchronized training step)
+keep the C++ not-implemented fallback (``csrc/ops.cpp``): a backward through them raises.
+"""
+import torch
+from torch import Tensor
+
+from .distributed import out_size
+
+_OP = torch.ops.fused_ops.ct_bn_pool.default
+_LIB = torch.library.Library("fused_ops", "IMPL")  # kept alive: registrations live as long as it
+# Positions in ct_bn_pool's schema (csrc/ops.cpp) of the arguments read here.
+_RUNNING_MEAN, _RUNNING_VAR, _TRAINING = 6, 7, 8
+_DIFFERENTIABLE = ("x", "weight", "bias", "bn_weight", "bn_bias")
+
+
+def _schema_arguments(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+                      training, momentum=0.1, eps=1e-5, *, stride=(1, 1, 1), padding=(0, 0, 0),
+                      output_padding=(0, 0, 0), dilation=(1, 1, 1), groups=1, algo="auto"):
+    """All of a call's arguments by name; the dispatcher leaves out trailing defaults."""
+    return dict(locals())
+
+
+def _redispatch_below(after_keyset, below_guard, keyset, args, kwargs):
+    with below_guard():
+        return _OP.redispatch(keyset & after_keyset, *args, **kwargs)
+
+
+def _redispatch_below_autograd(keyset, args, kwargs):
+    return _redispatch_below(torch._C._after_autograd_keyset, torch._C._AutoDispatchBelowAutograd,
+                             keyset, args, kwargs)
+
+
+class _CtBnPoolBackward(torch.autograd.Function):
+    """Runs the op (below autograd) and differentiates it with docs/math.md §6."""
+
+    @staticmethod
+    def forward(ctx, keyset, kwargs, *args):
+        call = _schema_arguments(*args, **kwargs)
+        training = call["training"]
+        eval_stats = ()
+        if not training:
+            # Eval reads the running statistics and never writes them, so the op is given
+            # copies, which are saved: the backward uses the values the forward normalized
+            # with whatever happens to the buffers in between, and torch.compile sees no
+            # mutation of the buffers. Giving the op the buffers themselves made inductor
+            # (torch 2.14) save the reinplaced buffer for the backward and reuse its memory
+            # for a gradient there, overwriting running_mean.
+            eval_stats = tuple(None if stat is None else stat.clone()  # None: the op refuses
+                               for stat in (call["running_mean"], call["running_var"]))
+            args = (*args[:_RUNNING_MEAN], *eval_stats, *args[_RUNNING_VAR + 1:])
+        out = _redispatch_below_autograd(keyset, args, kwargs)
+        # Training normalizes with batch statistics: the backward recomputes them from the
+        # inputs (the running statistics have been overwritten by then).
+        ctx.save_for_backward(call["x"], call["weight"], call["bias"], call["bn_weight"],
+                              *eval_stats)
+        ctx.training, ctx.scale, ctx.eps = training, call["scale"], call["eps"]
+        ctx.conv = {k: call[k] for k in ("stride", "padding", "output_padding", "dilation",
+                                         "groups")}
+        ctx.num_args = len(args)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, bn_weight, *eval_stats = ctx.saved_tensors
+        # needs_input_grad follows forward's inputs: keyset, kwargs, then the op's arguments.
+        names = _schema_arguments.__code__.co_varnames[:ctx.num_args]
+        needs = {n: ctx.needs_input_grad[2 + names.index(n)] for n in _DIFFERENTIABLE}
+        saved = dict(x=x, weight=weight, bias=bias, bn_weight=bn_weight)
+        if ctx.training:
+            grads = _training_grads(ctx, grad_out, needs, **saved)
+        else:
+            grads = _eval_grads(ctx, grad_out, needs, running_mean=eval_stats[0],
+                                running_var=eval_stats[1], **saved)
+        return (None, None, *(grads.get(n) if needs.get(n) else None for n in names))
+
+
+def _per_weight(per_channel: Tensor, weight: Tensor, groups: int) -> Tensor:
+    """A per-output-channel [C_out] vector laid out like weight [C_in, C_out/G, 1, 1, 1]."""
+    c_in, c_out_group = weight.shape[:2]
+    by_group = per_channel.view(groups, 1, c_out_group)
+    return by_group.expand(groups, c_in // groups, c_out_group).reshape(c_in, c_out_group, 1, 1, 1)
+
+
+def _per_channel(weight_like: Tensor, groups: int) -> Tensor:
+    """[C_out]: sums of a weight-shaped tensor over its input channels and taps."""
+    c_in, c_out_group = weight_like.shape[:2]
+    return weight_like.sum((2, 3, 4)).view(groups, c_in // groups, c_out_group).sum(1).reshape(-1)
+
+
+def _convolution_backward(ctx, grad_y, x, weight, need_x, need_weight):
+    c = ctx.conv
+    return torch.ops.aten.convolution_backward.default(
+        grad_y, x, weight, None, c["stride"], c["padding"], c["dilation"], True,
+        c["output_padding"], c["groups"], [need_x, need_weight, False])[:2]
+
+
+def _eval_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, running_mean, running_var):
+    """docs/math.md §6.1: the gradient wrt y is constant over positions, per (b, c)."""
+    g = grad_out.flatten(1)  # [B, C]
+    size = out_size(x, weight, ctx.conv["stride"], ctx.conv["padding"],
+                    ctx.conv["output_padding"], ctx.conv["dilation"])
+    positions = size[0] * size[1] * size[2]
+    inv_std = torch.rsqrt(running_var + ctx.eps)
+    gain = inv_std if bn_weight is None else bn_weight * inv_std  # gamma / sqrt(var + eps)
+    coef = gain * (ctx.scale / positions)  # d out[b, c] / d y[b, c, o]
+    g_sum = g.sum(0)
+    grads = {"bn_bias": g_sum, "bias": g_sum * gain * ctx.scale}
+    need_sums = needs["weight"] or needs["bn_weight"]
+    if needs["x"] or need_sums:
+        # One call: the input gradient of g spread over the positions, with the weight
+        # scaled by coef per output channel, is grad_x; the weight gradient of the unscaled
+        # g is G[ci, c, k] = sum_b g[b, c] T[b, ci, k] (§6.1), which both grad_weight and
+        # grad_bn_weight are made of. expand: no [B, C, Do, Ho, Wo] tensor is written here
+        # (convolution_backward may make one contiguous).
+        g_field = g.view(*g.shape, 1, 1, 1).expand(*g.shape, *size)
+        scaled = weight * _per_weight(coef, weight, ctx.conv["groups"]) if needs["x"] else weight
+        grads["x"], tap_sums = _convolution_backward(ctx, g_field, x, scaled, needs["x"],
+                                                     need_sums)
+        if needs["weight"]:
+            grads["weight"] = tap_sums * _per_weight(coef, weight, ctx.conv["groups"])
+        if needs["bn_weight"]:
+            g_dot_sums = _per_channel(weight * tap_sums, ctx.conv["groups"])  # sum_b g S
+            shift = -running_mean if bias is None else bias * ctx.scale - running_mean
+            grads["bn_weight"] = inv_std * (g_dot_sums * (ctx.scale / positions) + shift * g_sum)
+    return grads
+
+
+def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight):
+    """docs/math.md §6.2: batch statistics, so the convolution output is recomputed."""
+    grads = {"bn_bias": grad_out.sum(0).flatten()}
+    if bias is not None:
+        grads["bias"] = torch.zeros_like(bias)  # the batch mean removes it
+    if needs["x"] or needs["weight"] or needs["bn_weight"]:
+        grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight))
+    return grads
+
+
+def _normalized_conv_output(ctx, x, weight):
+    """(zhat, scale / sqrt(var_z + eps)): z = scale * conv_transpose3d(x, weight) recomputed
+    and normalized with its batch statistics, zhat = (z - mean_z) / sqrt(var_z + eps)."""
+    c = ctx.conv
+    # The conv bias shifts z and its batch mean alike: it cancels, and is left out.
+    y = torch.ops.aten.convolution.default(x, weight, None, c["stride"], c["padding"],
+                                           c["dilation"], True, c["output_padding"], c["groups"])
+    var, mean = torch.var_mean(y, dim=(0, 2, 3, 4), correction=0, keepdim=True)
+    z_unit = ctx.scale * torch.rsqrt(var * ctx.scale ** 2 + ctx.eps)
+    return torch.addcmul(-mean * z_unit, y, z_unit), z_unit  # one more [B, C, Do, Ho, Wo]
+
+
+def _normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight):
+    """Training mode's gradients that need zhat (§6.2)."""
+    zhat, z_unit = _normalized_conv_output(ctx, x, weight)
+    g = grad_out  # [B, C, 1, 1, 1]
+    g_zbar = g * zhat.mean((2, 3, 4), keepdim=True)  # g * (pooled zhat)
+    grads = {"bn_weight": g_zbar.sum(0).flatten()}
+    if needs["x"] or needs["weight"]:
+        gain = z_unit if bn_weight is None else bn_weight.view(1, -1, 1, 1, 1) * z_unit
+        coef = gain / zhat[0, 0].numel()  # gamma scale / (sqrt(var_z + eps) N)
+        # grad_y = coef * (g - mean_b g - mean_b(g zbar) zhat): one more buffer, zhat freed.
+        grad_y = torch.addcmul(coef * (g - g.mean(0, keepdim=True)), zhat,
+                               -coef * g_zbar.mean(0, keepdim=True))
+        del zhat
+        grads["x"], grads["weight"] = _convolution_backward(ctx, grad_y, x, weight, needs["x"],
+                                                            needs["weight"])
+    return grads
+
+
+def _reject_grad_on_running_stats(args) -> None:
+    for index, name in ((_RUNNING_MEAN, "running_mean"), (_RUNNING_VAR, "running_var")):
+        stat = args[index]
+        if stat is not None and stat.requires_grad:
+            # As F.batch_norm: statistics are not differentiable inputs.
+            raise RuntimeError(f"ct_bn_pool is not differentiable with respect to {name}; "
+                               f"it cannot have requires_grad=True")
+
+
+def _ct_bn_pool_autograd(keyset, *args, **kwargs):
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        _reject_grad_on_running_stats(args)
+        return _CtBnPoolBackward.apply(keyset, kwargs, *args)
+    return _redispatch_below_autograd(keyset, args, kwargs)
+
+
+def _ct_bn_pool_bump_versions(keyset, *args, **kwargs):
+    out = _redispatch_below(torch._C._after_ADInplaceOrView_keyset,
+                            torch._C._AutoDispatchBelowADInplaceOrView, keyset, args, kwargs)
+    if args[_TRAINING]:  # after the call: a rejected call modifies nothing
+        for stat in (args[_RUNNING_MEAN], args[_RUNNING_VAR]):
+            if stat is not None:
+                torch.autograd.graph.increment_version(stat)
+    return out
+
+
+_LIB.impl("ct_bn_pool", _ct_bn_pool_autograd, "Autograd", with_keyset=True)
+_LIB.impl("ct_bn_pool", _ct_bn_pool_bump_versions, "ADInplaceOrView", with_keyset=True)
