@@ -1,19 +1,8 @@
 """The FFT/Parseval training path (docs/math.md §3.3): forced on the problems it covers,
-refused with a clear error on the ones it does not, and what "auto" picks.
-
-FUSED_OPS_SPECTRAL picks the multiply-and-reduce kernel (simt, the default, or tc on tensor
-cores) once per process, so test_fft_with_the_tensor_core_kernel runs this file again in a
-child process with FUSED_OPS_SPECTRAL=tc; `FUSED_OPS_SPECTRAL=tc pytest tests/test_fft_energy.py`
-does the same by hand."""
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+refused with a clear error on the ones it does not, and what "auto" picks."""
 import pytest
 import torch
 
-import fused_ops
 from conftest import Problem, make_input, make_models, random_problems, relerr
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -30,11 +19,6 @@ FFT_PROBLEMS = [
     Problem(2, 12, 66, (3, 4, 6), (2, 2, 3), conv_kwargs=dict(groups=2, bias=False)),
     Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), bn_kwargs=dict(affine=False)),
     Problem(4, 64, 128, (6, 10, 12), (5, 5, 5)),  # the seed problem's channels
-    Problem(16, 64, 128, (16, 3, 3), (5, 2, 2)),  # the seed's B, Ci, Co, Ld = 20 and kD
-    Problem(3, 5, 40, (20, 3, 4), (3, 2, 2)),  # Ld = 22: one fd pass (simt), two (tc)
-    # All at once: two batch passes, two fd passes (Ld = 26), depth dilation 2, groups 2 with
-    # 3 input channels (less than a chunk) and 35 output channels (a full and a partial tile).
-    Problem(18, 6, 70, (20, 3, 3), (4, 2, 2), conv_kwargs=dict(groups=2, dilation=(2, 1, 1))),
 ] + [p for p in random_problems(8, seed=5) if p.batch > 1 or p.size != (1, 1, 1)]
 
 
@@ -90,55 +74,3 @@ def test_fft_is_cuda_only():
     _, fused = make_models(p, torch.float32, "cpu", algo="fft")
     with pytest.raises(ValueError, match="CUDA tensors only"):
         fused(make_input(p, torch.float32, "cpu"))
-
-
-SPECTRAL = os.environ.get("FUSED_OPS_SPECTRAL") or "simt"
-spawns = pytest.mark.skipif("FUSED_OPS_SPECTRAL" in os.environ,
-                            reason="spawned only from a run with the default kernel")
-
-
-def _run_with_spectral(value, args):
-    """A child Python with FUSED_OPS_SPECTRAL=value that imports this fused_ops."""
-    env = dict(os.environ, FUSED_OPS_SPECTRAL=value)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(fused_ops.__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent)
-
-
-@cuda
-def test_fft_runs_the_selected_spectral_kernel():
-    p = Problem(2, 8, 16, (4, 6, 5), (3, 3, 3))
-    _, fused = make_models(p, torch.float32, "cuda", algo="fft")
-    x = make_input(p, torch.float32, "cuda")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        with torch.no_grad():
-            fused(x)
-        torch.cuda.synchronize()
-    kernels = {e.name for e in prof.events() if "spectral_energy" in e.name}
-    if not prof.events():
-        pytest.skip("the profiler recorded no CUDA kernels here")
-    expected = {"simt": "spectral_energy_kernel", "tc": "spectral_energy_tc_kernel"}[SPECTRAL]
-    assert kernels and all(expected in k for k in kernels), kernels
-
-
-@cuda
-@spawns
-def test_fft_with_the_tensor_core_kernel():
-    """This file's tests (all FFT problems, the large offset, the kernel check above) again
-    with the tensor-core kernel, in a child process."""
-    result = _run_with_spectral("tc", ["-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                       str(Path(__file__).resolve())])
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout, result.stdout[-3000:]
-
-
-@cuda
-@spawns
-def test_fft_refuses_an_unknown_spectral_kernel():
-    code = ("import torch, fused_ops\n"
-            "m = fused_ops.ConvTransposeBNPool3d(4, 6, 3, 2.0, algo='fft').cuda()\n"
-            "m(torch.randn(2, 4, 3, 4, 5, device='cuda'))\n")
-    result = _run_with_spectral("wmma", ["-c", code])
-    assert result.returncode != 0
-    assert "FUSED_OPS_SPECTRAL must be 'simt' or 'tc', not 'wmma'" in result.stderr

@@ -7,8 +7,6 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda/fft_energy.h"
 
@@ -20,27 +18,6 @@ constexpr int64_t kFftSliceBytes = int64_t(32) << 20;
 constexpr int64_t kWeightChunkBytes = int64_t(48) << 20;
 // Shared memory a block may use on the GPUs this is built for (sm_80 and later).
 constexpr int64_t kMaxSmemBytes = 160 << 10;
-
-// The multiply-and-reduce kernel: FUSED_OPS_SPECTRAL=simt (spectral_energy.cu,
-// the default) or tc (spectral_energy_tc.cu, tensor cores), read once per
-// process. Both give float32-level accuracy; tests run the FFT cases with each.
-// Which problems the FFT path takes does not depend on it: fft_energy_applies
-// checks the SIMT kernel's shared memory, and where the tensor-core kernel's
-// would not fit (no depth Ld < 400 does that) the SIMT kernel runs instead.
-bool tensor_core_kernel_selected() {
-  static const bool tc = [] {
-    const char* v = std::getenv("FUSED_OPS_SPECTRAL");
-    if (v == nullptr || *v == '\0' || std::strcmp(v, "simt") == 0) return false;
-    TORCH_CHECK(std::strcmp(v, "tc") == 0, "FUSED_OPS_SPECTRAL must be 'simt' or 'tc', not '", v,
-                "'");
-    return true;
-  }();
-  return tc;
-}
-
-bool use_tensor_core_kernel(const ConvGeometry& g) {
-  return tensor_core_kernel_selected() && spectral_energy_tc_smem_bytes(g) <= kMaxSmemBytes;
-}
 
 }  // namespace
 
@@ -78,15 +55,10 @@ at::Tensor energy_fft_cuda(const at::Tensor& x, const at::Tensor& weight, const 
   const int64_t chunks = (s.L[1] + most - 1) / most;
   const int64_t chunk = (s.L[1] + chunks - 1) / chunks;  // balanced: no small last chunk
   auto w_spec = at::empty({chunk * fh_bytes / 8}, cplx);
-  const bool tensor_cores = use_tensor_core_kernel(g);
   for (int64_t fh0 = 0; fh0 < s.L[1]; fh0 += chunk) {
     const int64_t count = std::min(chunk, s.L[1] - fh0);
     weight_spectrum_cuda(weight, g, s, fh0, count, w_spec);
-    if (tensor_cores) {
-      spectral_energy_tc_cuda(x_spec, w_spec, g, s, fh0, count, energy);
-    } else {
-      spectral_energy_cuda(x_spec, w_spec, g, s, fh0, count, energy);
-    }
+    spectral_energy_cuda(x_spec, w_spec, g, s, fh0, count, energy);
   }
   return energy;
 }

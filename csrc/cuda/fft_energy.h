@@ -2,8 +2,7 @@
 // The FFT/Parseval training-mode energy (docs/math.md §3.3), CUDA only: the
 // spectra of x (cuFFT through ATen) and of the weight (weight_spectrum.cu), and
 // the kernel that multiplies them per frequency and reduces |Y_f|^2 without
-// storing either product (spectral_energy.cu, or spectral_energy_tc.cu on
-// tensor cores; FUSED_OPS_SPECTRAL picks one, see fft_energy.cpp).
+// storing either product (spectral_energy.cu).
 #include <ATen/ATen.h>
 
 #include "geometry.h"
@@ -26,10 +25,8 @@ struct SpectrumGeometry {
   int64_t pairs() const { return L[1] * Lwf; }
 };
 
-// Dynamic shared memory the spectral-energy kernel needs for this problem: the
-// SIMT kernel's and the tensor-core kernel's.
+// Dynamic shared memory the spectral-energy kernel needs for this problem.
 int64_t spectral_energy_smem_bytes(const ConvGeometry& g);
-int64_t spectral_energy_tc_smem_bytes(const ConvGeometry& g);
 
 // W2[fh - fh0, fw, ci, co_g, kd] (complex64): the weight's DFT over H and W at
 // size (Lh, Lw), for fh in [fh0, fh0 + count); out must hold count * Lwf * Ci * Cog * kD.
@@ -44,10 +41,5 @@ void weight_spectrum_cuda(const at::Tensor& weight, const ConvGeometry& g,
 void spectral_energy_cuda(const at::Tensor& x_spec, const at::Tensor& w_spec,
                           const ConvGeometry& g, const SpectrumGeometry& s, int64_t fh0,
                           int64_t count, at::Tensor& energy);
-// The same on tensor cores (3xTF32 mma.sync, sm_80+; spectral_energy_tc.cu):
-// the same inputs, output and float32-level accuracy.
-void spectral_energy_tc_cuda(const at::Tensor& x_spec, const at::Tensor& w_spec,
-                             const ConvGeometry& g, const SpectrumGeometry& s, int64_t fh0,
-                             int64_t count, at::Tensor& energy);
 
 }  // namespace fused_ops

@@ -20,11 +20,20 @@
 namespace fused_ops {
 namespace {
 
-constexpr int kTileCo = kSpectralTileCo;  // output channels per block
+constexpr int kTileCo = 32;   // output channels per block
 constexpr int kChunkCi = 8;   // input channels staged at a time
 constexpr int kTileB = 16;    // samples per pass (two halves of 8 per fd lane)
 constexpr int kLaneThreads = (kTileB / 8) * (kTileCo / 4);  // threads per fd lane: 16
 constexpr int kMaxFdLanes = 24;
+
+struct SpectralArgs {
+  const float2* x;  // [Ld, Lh, Lwf, B, Ci]
+  const float2* w;  // [count, Lwf, Ci, Cog, kD]
+  double* energy;   // [Co, Lh * Lwf]
+  int64_t batch, ci, cig, cog, co_tiles, kd, dd;
+  int64_t Ld, Lh, Lwf, Lw, fh0, fd_lanes;
+  double inv_size;  // 1 / (Ld * Lh * Lw)
+};
 
 // Shared memory: the x and W2 chunks are double-buffered, so the copies of the
 // next chunk (cp.async) run while this one is multiplied.
@@ -44,6 +53,29 @@ struct SmemLayout {
     esum = ws;  // used after the last step only; 2 * fd_lanes * kTileCo doubles fit in ws
   }
 };
+
+// 8-byte asynchronous copy global -> shared (sm_80+); zero-fills when !valid.
+__device__ __forceinline__ void copy_async(float2* dst, const float2* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 8 : 0));
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void copy_async_wait_one() {  // all but the newest group done
+  asm volatile("cp.async.wait_group 1;\n" ::);
+}
+
+// Which (fd pass, batch pass, ci chunk) a step of the block's walk is.
+struct Step {
+  int64_t fd0, b0, c0;
+  bool first, last;  // of its (fd pass, batch pass)
+};
+
+__device__ __forceinline__ Step step_at(int64_t s, const SpectralArgs& a, int64_t chunks,
+                                        int64_t b_passes) {
+  const int64_t c = s % chunks, b = (s / chunks) % b_passes, f = s / (chunks * b_passes);
+  return {f * a.fd_lanes, b * kTileB, c * kChunkCi, c == 0, c == chunks - 1};
+}
 
 // Issues the copies of one step's x and W2 chunks into buffer `buf`.
 __device__ __forceinline__ void stage_async(const SpectralArgs& a, const Step& st,
@@ -116,30 +148,37 @@ __global__ void __launch_bounds__(kMaxFdLanes * kLaneThreads, 1)
   float2* xs = reinterpret_cast<float2*>(smem + lay.xs);       // 2 x [fd lane][ci][b]
   float2* ws = reinterpret_cast<float2*>(smem + lay.ws);       // [fd lane][ci][co]
 
-  const SpectralBlock blk(a);
-  const int64_t group = blk.group, co0 = blk.co0;
+  const int64_t tiles_per_group = (a.cog + kTileCo - 1) / kTileCo;
+  const int64_t tile = blockIdx.x % a.co_tiles, pair = blockIdx.x / a.co_tiles;
+  const int64_t group = tile / tiles_per_group, co0 = (tile % tiles_per_group) * kTileCo;
+  const int64_t fhc = pair / a.Lwf, fw = pair % a.Lwf, fh = a.fh0 + fhc;
   const int tid = threadIdx.x, lane_fd = tid / kLaneThreads, t = tid % kLaneThreads;
   const int half = t / (kTileCo / 4), quad = t % (kTileCo / 4);
-  const float2* x_pair = a.x + (blk.fh * a.Lwf + blk.fw) * a.batch * a.ci;
-  const float2* w_pair = a.w + (blk.fhc * a.Lwf + blk.fw) * a.ci * a.cog * a.kd;
+  // rfft along W: bins other than 0 and Lw/2 stand for two bins of the full spectrum.
+  const float weight_w = (fw == 0 || 2 * fw == a.Lw) ? 1.f : 2.f;
+  const float2* x_pair = a.x + (fh * a.Lwf + fw) * a.batch * a.ci;
+  const float2* w_pair = a.w + (fhc * a.Lwf + fw) * a.ci * a.cog * a.kd;
 
-  fill_depth_twiddles(a, tw);
-  const SpectralWalk walk(a, kChunkCi, kTileB);
-  const int steps = walk.steps;
-  stage_async(a, walk.at(0), x_pair, w_pair, group, co0, xs, w2s);
+  for (int64_t i = tid; i < a.Ld * a.kd; i += blockDim.x) {
+    tw[i] = twiddle(i / a.kd, (i % a.kd) * a.dd, a.Ld);
+  }
+  const int64_t chunks = (a.cig + kChunkCi - 1) / kChunkCi;
+  const int64_t b_passes = (a.batch + kTileB - 1) / kTileB;
+  const int64_t steps = chunks * b_passes * ((a.Ld + a.fd_lanes - 1) / a.fd_lanes);
+  stage_async(a, step_at(0, a, chunks, b_passes), x_pair, w_pair, group, co0, xs, w2s);
 
   double e[4] = {0, 0, 0, 0};
   float2 acc[8][4];
-  for (int s = 0; s < steps; ++s) {
-    const Step st = walk.at(s);
+  for (int64_t s = 0; s < steps; ++s) {
+    const Step st = step_at(s, a, chunks, b_passes);
     const int buf = s & 1;
     if (s + 1 < steps) {  // the other buffer was released by the barrier ending step s - 1
-      stage_async(a, walk.at(s + 1), x_pair, w_pair, group, co0,
+      stage_async(a, step_at(s + 1, a, chunks, b_passes), x_pair, w_pair, group, co0,
                   xs + (buf ^ 1) * lay.xs_len, w2s + (buf ^ 1) * lay.w2_len);
     } else {
       copy_async_commit();  // an empty group keeps the wait below uniform
     }
-    copy_async_wait<1>();  // all but the newest group done
+    copy_async_wait_one();
     __syncthreads();  // step s's chunks have landed for every thread
     depth_dft(a, st.fd0, w2s + buf * lay.w2_len, tw, ws);
     __syncthreads();
@@ -172,13 +211,15 @@ __global__ void __launch_bounds__(kMaxFdLanes * kLaneThreads, 1)
 #pragma unroll
         for (int j = 0; j < 4; ++j) cfma(acc[i][j], xv[i], wv[j]);
     }
-    if (st.last && blk.counts(st.fd0 + lane_fd, a)) {
+    const int64_t fd = st.fd0 + lane_fd;
+    // The DC bin is each sample's sum: it carries the mean, not the spread.
+    if (st.last && fd < a.Ld && !(fd == 0 && fh == 0 && fw == 0)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         float sq = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; ++i) sq += acc[i][j].x * acc[i][j].x + acc[i][j].y * acc[i][j].y;
-        e[j] += static_cast<double>(blk.weight_w * sq);
+        e[j] += static_cast<double>(weight_w * sq);
       }
     }
     __syncthreads();  // xs[buf], w2s[buf] and ws are free for the next steps
@@ -186,21 +227,48 @@ __global__ void __launch_bounds__(kMaxFdLanes * kLaneThreads, 1)
 #pragma unroll
   for (int j = 0; j < 4; ++j) esum[(lane_fd * 2 + half) * kTileCo + quad * 4 + j] = e[j];
   __syncthreads();
-  store_tile_energy(a, blk, esum, 2 * a.fd_lanes);
+  for (int c = tid; c < kTileCo && co0 + c < a.cog; c += blockDim.x) {  // blocks may be < 32 threads
+    double total = 0;
+    for (int64_t r = 0; r < 2 * a.fd_lanes; ++r) total += esum[r * kTileCo + c];
+    const int64_t co = group * a.cog + co0 + c;
+    a.energy[co * (a.Lh * a.Lwf) + fh * a.Lwf + fw] = total * a.inv_size;
+  }
 }
 
 }  // namespace
 
+// Lanes over fd: as many as fit, balanced over the passes Ld needs.
+int64_t spectral_fd_lanes(int64_t Ld) {
+  const int64_t passes = (Ld + kMaxFdLanes - 1) / kMaxFdLanes;
+  return (Ld + passes - 1) / passes;
+}
+
 int64_t spectral_energy_smem_bytes(const ConvGeometry& g) {
-  return SmemLayout(spectral_fd_lanes(g.out_size[0], kMaxFdLanes), g.kernel[0], g.out_size[0])
-      .bytes;
+  return SmemLayout(spectral_fd_lanes(g.out_size[0]), g.kernel[0], g.out_size[0]).bytes;
 }
 
 void spectral_energy_cuda(const at::Tensor& x_spec, const at::Tensor& w_spec,
                           const ConvGeometry& g, const SpectrumGeometry& s, int64_t fh0,
                           int64_t count, at::Tensor& energy) {
   const c10::cuda::CUDAGuard guard(x_spec.device());
-  const SpectralArgs a = make_spectral_args(x_spec, w_spec, g, s, fh0, energy, kMaxFdLanes);
+  SpectralArgs a;
+  a.x = reinterpret_cast<const float2*>(x_spec.data_ptr());
+  a.w = reinterpret_cast<const float2*>(w_spec.data_ptr());
+  a.energy = energy.data_ptr<double>();
+  a.batch = g.batch;
+  a.ci = g.in_channels;
+  a.cig = g.in_group_channels();
+  a.cog = g.out_group_channels();
+  a.co_tiles = g.groups * ((a.cog + kTileCo - 1) / kTileCo);
+  a.kd = g.kernel[0];
+  a.dd = g.dilation[0];
+  a.Ld = s.L[0];
+  a.Lh = s.L[1];
+  a.Lwf = s.Lwf;
+  a.Lw = s.L[2];
+  a.fh0 = fh0;
+  a.fd_lanes = spectral_fd_lanes(a.Ld);
+  a.inv_size = 1.0 / static_cast<double>(s.L[0] * s.L[1] * s.L[2]);
   const SmemLayout lay(a.fd_lanes, a.kd, a.Ld);
   const int64_t blocks = count * s.Lwf * a.co_tiles;
   TORCH_CHECK(blocks < (int64_t(1) << 31), "ct_bn_pool: problem too large for the FFT path (",
