@@ -101,15 +101,10 @@ at::Tensor ct_bn_pool_forward(const Backend& backend, const at::Tensor& x,
       validate_inputs(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, training,
                       eps, stride, padding, output_padding, dilation, groups);
   FinalizeInputs in;
+  reduce_input(backend, x, weight, g, training, algo, in);
   set_bn_inputs(bias, scale, bn_weight, bn_bias, running_mean, running_var, momentum, eps, in);
   in.batch_stats = training;
   auto out = at::empty({g.batch, g.out_channels, 1, 1, 1}, x.options());
-  if (!training && !g.has_padding() && backend.eval_pooled) {
-    parse_energy_algo(algo, backend, g, x.scalar_type());  // rejected the same in both modes
-    backend.eval_pooled(x.contiguous(), weight.contiguous(), in, g, out);
-    return out;
-  }
-  reduce_input(backend, x, weight, g, training, algo, in);
   backend.finalize(in, g, out);
   copy_back_running_stats(in, running_mean, running_var);
   return out;

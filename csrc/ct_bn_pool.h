@@ -49,10 +49,6 @@ struct Backend {
   // whether it computes this problem (docs/math.md §3.3).
   at::Tensor (*energy_fft)(const at::Tensor& x, const at::Tensor& weight, const ConvGeometry& g);
   bool (*fft_applies)(const ConvGeometry& g, at::ScalarType dtype);
-  // Eval mode with padding 0 (x, weight contiguous) from `in`'s BN inputs in one
-  // pass, writing out [B, Co]; or null, for sample_sums followed by finalize.
-  void (*eval_pooled)(const at::Tensor& x, const at::Tensor& weight, const FinalizeInputs& in,
-                      const ConvGeometry& g, at::Tensor& out);
 };
 
 // Device-independent pieces, written with ATen ops.

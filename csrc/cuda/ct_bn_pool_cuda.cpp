@@ -19,8 +19,7 @@ EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
 }
 
 const Backend kCudaBackend = {sample_sums_cuda,      energy_direct_cuda, finalize_cuda,
-                              auto_energy_algo_cuda, energy_fft_cuda,    fft_applies_cuda,
-                              eval_pooled_cuda};
+                              auto_energy_algo_cuda, energy_fft_cuda,    fft_applies_cuda};
 
 }  // namespace
 
