@@ -2,6 +2,7 @@
 // library importable as the Python module fused_ops._C.
 #include <Python.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <string>
@@ -43,17 +44,42 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def("build_info() -> str", &build_info);
 }
 
-// ct_bn_pool's autograd formula and its version-counter bump are registered in
-// Python (fused_ops/_autograd.py). The two halves of the synchronized training
-// step have no backward: one through them raises, naming the op, instead of
-// returning wrong gradients, and their in-place writes to the running stats
-// bump the versions.
+namespace {
+
+// ct_bn_pool's ADInplaceOrView kernel: bumps the running stats' version
+// counters when the call wrote them (training mode; not eval, which only reads
+// them, nor a rejected call). In C++ because it runs on every call, also under
+// no_grad: a Python kernel here doubled the host time of a small eval call.
+void ct_bn_pool_bump_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                              torch::jit::Stack* stack) {
+  // Positions in the schema above; read before the call replaces the arguments.
+  const auto args = stack->end() - op.schema().arguments().size();
+  const bool training = args[8].toBool();
+  const auto running_mean = args[6].toOptional<at::Tensor>();
+  const auto running_var = args[7].toOptional<at::Tensor>();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  if (!training) return;
+  for (const auto& stat : {running_mean, running_var}) {
+    if (stat.has_value() && stat->defined()) torch::autograd::impl::bump_version(*stat);
+  }
+}
+
+}  // namespace
+
+// ct_bn_pool's autograd formula is registered in Python (fused_ops/_autograd.py).
+// The two halves of the synchronized training step have no backward: one
+// through them raises, naming the op, instead of returning wrong gradients, and
+// their in-place writes to the running stats bump the versions.
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
   for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }
 TORCH_LIBRARY_IMPL(fused_ops, ADInplaceOrView, m) {
+  m.impl("ct_bn_pool", torch::CppFunction::makeFromBoxedFunction<&ct_bn_pool_bump_versions>());
   for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply"}) {
     m.impl(op, torch::autograd::autogradNotImplementedInplaceOrViewFallback());
   }

@@ -6,20 +6,21 @@ modules whose parameters require grad.
 
 Why not ``torch.library.register_autograd``: it refuses operators whose schema mutates an
 input ("Cannot register autograd formula for non-functional operator"), and ct_bn_pool
-writes ``running_mean``/``running_var`` (``Tensor(a!)?``). So this module registers the two
-kernels that ``register_autograd`` (for the autograd formula) and ``torch.library.custom_op``
-(for the version bump of mutated inputs) would register, for this op, with the same
-dispatcher calls they use:
+writes ``running_mean``/``running_var`` (``Tensor(a!)?``). So the two kernels that
+``register_autograd`` and ``torch.library.custom_op`` would register are registered
+directly:
 
-- ``Autograd``: an ``autograd.Function`` around the op when an input requires grad, the
-  op alone otherwise;
-- ``ADInplaceOrView``: bumps the running statistics' version counters when the call writes
-  them (``training=True``), as every in-place op does, so that autograd detects a saved
-  tensor changed under it. Eval mode does not write them and does not bump them: a bump
-  would invalidate, for nothing, graphs that saved them.
+- ``Autograd`` (here, in Python): an ``autograd.Function`` around the op when an input
+  requires grad, the op alone otherwise;
+- ``ADInplaceOrView`` (``csrc/ops.cpp``, in C++ since it runs on every call): bumps the
+  running statistics' version counters when the call writes them (``training=True``), as
+  every in-place op does, so that autograd detects a saved tensor changed under it. Eval
+  mode does not write them and does not bump them: a bump would invalidate, for nothing,
+  graphs that saved them.
 
-The two are Python kernels: a call from Python pays for them (about 10 us on a slow CPU)
-unless autograd is off for the tensors (``torch.inference_mode``).
+The Python kernel runs on every call from Python, also under ``torch.no_grad()`` (host
+time; ``docs/performance.md``), unless autograd is off for the tensors
+(``torch.inference_mode``).
 
 PyTorch's compile caches (FX graph, AOTAutograd) key on the traced graph, not on these
 kernels: after changing this file, clear them or set ``TORCHINDUCTOR_FX_GRAPH_CACHE=0
@@ -36,7 +37,7 @@ from .distributed import out_size
 _OP = torch.ops.fused_ops.ct_bn_pool.default
 _LIB = torch.library.Library("fused_ops", "IMPL")  # kept alive: registrations live as long as it
 # Positions in ct_bn_pool's schema (csrc/ops.cpp) of the arguments read here.
-_RUNNING_MEAN, _RUNNING_VAR, _TRAINING = 6, 7, 8
+_RUNNING_MEAN, _RUNNING_VAR = 6, 7
 _DIFFERENTIABLE = ("x", "weight", "bias", "bn_weight", "bn_bias")
 
 
@@ -47,14 +48,9 @@ def _schema_arguments(x, weight, bias, scale, bn_weight, bn_bias, running_mean, 
     return dict(locals())
 
 
-def _redispatch_below(after_keyset, below_guard, keyset, args, kwargs):
-    with below_guard():
-        return _OP.redispatch(keyset & after_keyset, *args, **kwargs)
-
-
 def _redispatch_below_autograd(keyset, args, kwargs):
-    return _redispatch_below(torch._C._after_autograd_keyset, torch._C._AutoDispatchBelowAutograd,
-                             keyset, args, kwargs)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _OP.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
 
 class _CtBnPoolBackward(torch.autograd.Function):
@@ -208,15 +204,4 @@ def _ct_bn_pool_autograd(keyset, *args, **kwargs):
     return _redispatch_below_autograd(keyset, args, kwargs)
 
 
-def _ct_bn_pool_bump_versions(keyset, *args, **kwargs):
-    out = _redispatch_below(torch._C._after_ADInplaceOrView_keyset,
-                            torch._C._AutoDispatchBelowADInplaceOrView, keyset, args, kwargs)
-    if args[_TRAINING]:  # after the call: a rejected call modifies nothing
-        for stat in (args[_RUNNING_MEAN], args[_RUNNING_VAR]):
-            if stat is not None:
-                torch.autograd.graph.increment_version(stat)
-    return out
-
-
 _LIB.impl("ct_bn_pool", _ct_bn_pool_autograd, "Autograd", with_keyset=True)
-_LIB.impl("ct_bn_pool", _ct_bn_pool_bump_versions, "ADInplaceOrView", with_keyset=True)
