@@ -3,6 +3,7 @@
 #include <Python.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/variable.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include <string>
