@@ -117,3 +117,11 @@ def random_problems(count, seed, **fixed):
 
 def clone_state(module):
     return copy.deepcopy(module.state_dict())
+
+
+def twin_modules(p: Problem, dtype, device, training):
+    """Two fused modules with the same parameters and buffers, both in mode `training`."""
+    _, a = make_models(p, dtype, device)
+    _, b = make_models(p, dtype, device)
+    b.load_state_dict(a.state_dict())
+    return a.train(training), b.train(training)

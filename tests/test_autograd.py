@@ -9,7 +9,8 @@ import torch._inductor.config
 from torch.autograd import gradcheck, gradgradcheck
 
 import fused_ops
-from conftest import DEVICES, Problem, assert_gradients_match, make_input, make_models, relerr
+from conftest import (DEVICES, Problem, assert_gradients_match, make_input, make_models, relerr,
+                      twin_modules)
 
 OP = torch.ops.fused_ops.ct_bn_pool.default
 TOLERANCE = 1e-10  # float64 throughout
@@ -140,17 +141,8 @@ def fresh_compile():
     torch._dynamo.reset()
 
 
-def twin_modules(problem, training, device):
-    _, eager = make_models(problem, torch.float64, device)
-    _, twin = make_models(problem, torch.float64, device)
-    twin.load_state_dict(eager.state_dict())
-    eager.train(training)
-    twin.train(training)
-    return eager, twin
-
-
 def assert_compiled_trains_like_eager(problem, training, device, batches, **compile_options):
-    eager, module = twin_modules(problem, training, device)
+    eager, module = twin_modules(problem, torch.float64, device, training)
     assert all(p.requires_grad for p in module.parameters())  # nn.Module's default
     with fresh_compile():
         compiled = torch.compile(module, fullgraph=True, **compile_options)

@@ -6,7 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fused_ops
-from conftest import DEVICES, Problem, make_input, make_models, relerr
+from conftest import DEVICES, Problem, make_input, make_models, relerr, twin_modules
 
 P = Problem(2, 4, 6, (3, 4, 5), (2, 3, 2))
 OP = torch.ops.fused_ops.ct_bn_pool.default
@@ -58,15 +58,6 @@ def test_compiled_module_matches_eager(training, device):
     assert int(compiled_module.batch_norm.num_batches_tracked) == (2 if training else 0)
 
 
-def twin_modules(device, training):
-    _, a = make_models(P, torch.float32, device)
-    _, b = make_models(P, torch.float32, device)
-    b.load_state_dict(a.state_dict())
-    a.train(training)
-    b.train(training)
-    return a, b
-
-
 def assert_same_state(module, reference):
     for key, value in reference.state_dict().items():
         got = module.state_dict()[key]
@@ -77,7 +68,7 @@ def assert_same_state(module, reference):
 @pytest.mark.parametrize("device", DEVICES)
 def test_compile_with_dynamic_shapes(device):
     torch._dynamo.reset()
-    module, eager = twin_modules(device, training=True)
+    module, eager = twin_modules(P, torch.float32, device, training=True)
     compiled = torch.compile(module, fullgraph=True, dynamic=True)
     with torch.no_grad():
         for batch in (2, 3, 5):
@@ -89,7 +80,7 @@ def test_compile_with_dynamic_shapes(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("training", [False, True])
 def test_exported_program_matches_eager(training, device):
-    module, eager = twin_modules(device, training)
+    module, eager = twin_modules(P, torch.float32, device, training)
     x = make_input(P, torch.float32, device)
     exported = torch.export.export(module, (x,)).module()
     with torch.no_grad():
