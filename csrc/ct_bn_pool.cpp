@@ -75,8 +75,9 @@ void set_bn_inputs(const c10::optional<at::Tensor>& bias, double scale,
   in.bias = contiguous_as(bias, dtype);
   in.gamma = contiguous_as(bn_weight, dtype);
   in.beta = contiguous_as(bn_bias, dtype);
-  // Running stats are written in place where they are contiguous and of dtype
-  // C; any other goes through a copy that copy_back_running_stats writes back.
+  // Running stats are written in place where they are contiguous and already
+  // of that dtype; any other goes through a copy that copy_back_running_stats
+  // writes back.
   in.running_mean = contiguous_as(running_mean, dtype);
   in.running_var = contiguous_as(running_var, dtype);
   in.scale = scale;
@@ -107,13 +108,13 @@ at::Tensor ct_bn_pool_forward(const Backend& backend, const at::Tensor& x,
   const ConvGeometry g =
       validate_inputs(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, training,
                       eps, stride, padding, output_padding, dilation, groups);
-  const at::ScalarType dtype = compute_dtype(x.scalar_type());
+  const at::ScalarType finalize_dtype = compute_dtype(x.scalar_type());
   FinalizeInputs in;
   reduce_input(backend, x, weight, g, training, algo, in);
-  set_bn_inputs(bias, scale, bn_weight, bn_bias, running_mean, running_var, momentum, eps, dtype,
-                in);
+  set_bn_inputs(bias, scale, bn_weight, bn_bias, running_mean, running_var, momentum, eps,
+                finalize_dtype, in);
   in.batch_stats = training;
-  auto out = at::empty({g.batch, g.out_channels, 1, 1, 1}, x.options().dtype(dtype));
+  auto out = at::empty({g.batch, g.out_channels, 1, 1, 1}, x.options().dtype(finalize_dtype));
   backend.finalize(in, g, out);
   copy_back_running_stats(in, running_mean, running_var);
   return out.to(x.scalar_type());
@@ -153,7 +154,8 @@ at::Tensor ct_bn_pool_apply_forward(const Backend& backend, const at::Tensor& sa
   in.stats_in = stats.contiguous();
   set_bn_inputs(bias, scale, bn_weight, bn_bias, running_mean, running_var, momentum, eps,
                 finalize_dtype, in);
-  auto out = at::empty({g.batch, g.out_channels, 1, 1, 1}, sample_sums.options().dtype(finalize_dtype));
+  auto out = at::empty({g.batch, g.out_channels, 1, 1, 1},
+                       sample_sums.options().dtype(finalize_dtype));
   backend.finalize(in, g, out);
   copy_back_running_stats(in, running_mean, running_var);
   return out.to(dtype);
