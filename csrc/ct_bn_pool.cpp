@@ -36,17 +36,21 @@ SampleSumTensors sample_sums(const Backend& backend, const at::Tensor& x, const 
           w.to(at::kDouble).reshape({g.in_channels, g.out_group_channels(), g.taps()})};
 }
 
-at::Tensor optional_contiguous(const c10::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->contiguous() : at::Tensor();
+// A contiguous tensor of `t`'s values in `dtype`: `t` itself where it is one.
+at::Tensor contiguous_as(const c10::optional<at::Tensor>& t, at::ScalarType dtype) {
+  return t.has_value() && t->defined() ? t->to(dtype).contiguous() : at::Tensor();
 }
 
 // The sums and, in training, the energy: everything the finalize needs from x.
 void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tensor& weight_in,
                   const ConvGeometry& g, bool training, c10::string_view algo, FinalizeInputs& in) {
   const EnergyAlgo energy_algo = parse_energy_algo(algo, backend, g, x_in.scalar_type());
-  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
-  in.sums = sample_sums(backend, x, weight, g);
+  // The sums read x and the weight in their own dtype.
+  in.sums = sample_sums(backend, x_in.contiguous(), weight_in.contiguous(), g);
   if (!training) return;
+  const at::ScalarType energy_dtype = compute_dtype(x_in.scalar_type());
+  const at::Tensor x = contiguous_as(x_in, energy_dtype);
+  const at::Tensor weight = contiguous_as(weight_in, energy_dtype);
   switch (energy_algo) {
     case EnergyAlgo::Direct:
       in.energy = backend.energy_direct(x, pack_weight_for_direct(weight, g), in.sums, g);
@@ -60,25 +64,29 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
   }
 }
 
-// Sets the BN parameters, running stats and scalars of `in`.
+// Sets the BN parameters, running stats and scalars of `in`, as contiguous
+// tensors of dtype `dtype` (the finalize's C).
 void set_bn_inputs(const c10::optional<at::Tensor>& bias, double scale,
                    const c10::optional<at::Tensor>& bn_weight,
                    const c10::optional<at::Tensor>& bn_bias,
                    const c10::optional<at::Tensor>& running_mean,
                    const c10::optional<at::Tensor>& running_var, double momentum, double eps,
-                   FinalizeInputs& in) {
-  in.bias = optional_contiguous(bias);
-  in.gamma = optional_contiguous(bn_weight);
-  in.beta = optional_contiguous(bn_bias);
-  // Running stats are written in place, so they are used as given; a
-  // non-contiguous one goes through a contiguous copy that is copied back.
-  in.running_mean = optional_contiguous(running_mean);
-  in.running_var = optional_contiguous(running_var);
+                   at::ScalarType dtype, FinalizeInputs& in) {
+  in.bias = contiguous_as(bias, dtype);
+  in.gamma = contiguous_as(bn_weight, dtype);
+  in.beta = contiguous_as(bn_bias, dtype);
+  // Running stats are written in place where they are contiguous and already
+  // of that dtype; any other goes through a copy that copy_back_running_stats
+  // writes back.
+  in.running_mean = contiguous_as(running_mean, dtype);
+  in.running_var = contiguous_as(running_var, dtype);
   in.scale = scale;
   in.momentum = momentum;
   in.eps = eps;
 }
 
+// Writes the updated running stats into the caller's tensors, in their own
+// dtype, where the finalize updated copies (see set_bn_inputs).
 void copy_back_running_stats(const FinalizeInputs& in, const c10::optional<at::Tensor>& running_mean,
                              const c10::optional<at::Tensor>& running_var) {
   if (!in.batch_stats || !running_mean.has_value() || !running_mean->defined()) return;
@@ -100,14 +108,16 @@ at::Tensor ct_bn_pool_forward(const Backend& backend, const at::Tensor& x,
   const ConvGeometry g =
       validate_inputs(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, training,
                       eps, stride, padding, output_padding, dilation, groups);
+  const at::ScalarType finalize_dtype = compute_dtype(x.scalar_type());
   FinalizeInputs in;
   reduce_input(backend, x, weight, g, training, algo, in);
-  set_bn_inputs(bias, scale, bn_weight, bn_bias, running_mean, running_var, momentum, eps, in);
+  set_bn_inputs(bias, scale, bn_weight, bn_bias, running_mean, running_var, momentum, eps,
+                finalize_dtype, in);
   in.batch_stats = training;
-  auto out = at::empty({g.batch, g.out_channels, 1, 1, 1}, x.options());
+  auto out = at::empty({g.batch, g.out_channels, 1, 1, 1}, x.options().dtype(finalize_dtype));
   backend.finalize(in, g, out);
   copy_back_running_stats(in, running_mean, running_var);
-  return out;
+  return out.to(x.scalar_type());
 }
 
 std::tuple<at::Tensor, at::Tensor> ct_bn_pool_stats_forward(
@@ -123,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor> ct_bn_pool_stats_forward(
   reduce_input(backend, x, weight, g, /*training=*/true, algo, in);
   in.stats_out = at::empty({3, g.out_channels}, opts);
   in.sample_sums_out = at::empty({g.batch, g.out_channels}, opts);
-  auto unused = at::empty({0}, x.options());
+  auto unused = at::empty({0}, x.options().dtype(compute_dtype(x.scalar_type())));
   backend.finalize(in, g, unused);
   return {in.sample_sums_out, in.stats_out};
 }
@@ -138,14 +148,17 @@ at::Tensor ct_bn_pool_apply_forward(const Backend& backend, const at::Tensor& sa
                                     double eps, at::ScalarType dtype) {
   const ConvGeometry g = validate_apply_inputs(sample_sums, stats, spatial, bias, bn_weight,
                                                bn_bias, running_mean, running_var, eps, dtype);
+  const at::ScalarType finalize_dtype = compute_dtype(dtype);
   FinalizeInputs in;
   in.sample_sums = sample_sums.contiguous();
   in.stats_in = stats.contiguous();
-  set_bn_inputs(bias, scale, bn_weight, bn_bias, running_mean, running_var, momentum, eps, in);
-  auto out = at::empty({g.batch, g.out_channels, 1, 1, 1}, sample_sums.options().dtype(dtype));
+  set_bn_inputs(bias, scale, bn_weight, bn_bias, running_mean, running_var, momentum, eps,
+                finalize_dtype, in);
+  auto out = at::empty({g.batch, g.out_channels, 1, 1, 1},
+                       sample_sums.options().dtype(finalize_dtype));
   backend.finalize(in, g, out);
   copy_back_running_stats(in, running_mean, running_var);
-  return out;
+  return out.to(dtype);
 }
 
 }  // namespace fused_ops

@@ -9,6 +9,14 @@
 
 namespace fused_ops {
 
+// The dtype C in which the finalize reads and writes (FinalizeArgs<C>) and the
+// energy algorithms compute, for inputs (x, weight) of dtype T: double for
+// float64, float for float32, float16 and bfloat16 (docs/math.md §5). float32
+// holds the product of two float16 or bfloat16 values exactly.
+inline at::ScalarType compute_dtype(at::ScalarType input_dtype) {
+  return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 // How the within-sample sum of squares of the conv output is computed in
 // training mode (docs/math.md §3).
 enum class EnergyAlgo { Direct, SlicedConv, Fft };
@@ -43,7 +51,8 @@ struct Backend {
                               const SampleSumTensors& sums, const ConvGeometry& g);
   // Writes out [B, Co] and, in training, updates the running stats.
   void (*finalize)(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
-  // The algorithm "auto" picks on this device for this problem.
+  // The algorithm "auto" picks on this device for this problem; `dtype` is the
+  // one the energy is computed in (compute_dtype), as for fft_applies.
   EnergyAlgo (*auto_energy_algo)(const ConvGeometry& g, at::ScalarType dtype);
   // The FFT path ([1, Co, S] energy), or null where the device has none; and
   // whether it computes this problem (docs/math.md §3.3).

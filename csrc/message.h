@@ -27,6 +27,15 @@ inline std::string to_str(at::IntArrayRef v) {
 
 inline std::string to_str(const at::Device& d) { return d.str(); }
 
-inline std::string to_str(at::ScalarType t) { return c10::toString(t); }
+// The names Python users know (torch.float16, ...) for the dtypes the op takes.
+inline std::string to_str(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    default: return c10::toString(t);
+  }
+}
 
 }  // namespace fused_ops

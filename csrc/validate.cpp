@@ -1,5 +1,6 @@
 #include "validate.h"
 
+#include <initializer_list>
 #include <string>
 
 #include "message.h"
@@ -7,25 +8,65 @@
 namespace fused_ops {
 namespace {
 
-// `like`: the tensor whose device and dtype `t` must have, named `like_name`.
-void check_same_kind(const at::Tensor& t, const char* name, const at::Tensor& like,
-                     const char* like_name = "x", c10::optional<at::ScalarType> dtype = {}) {
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& like,
+                       const char* like_name) {
   TORCH_CHECK(t.device() == like.device(), "ct_bn_pool: ", name, " must be on the same device as ",
               like_name, " (", to_str(like.device()), "), got ", to_str(t.device()));
-  const at::ScalarType want = dtype.value_or(like.scalar_type());
-  TORCH_CHECK(t.scalar_type() == want, "ct_bn_pool: ", name, " must have the same dtype as ",
-              dtype ? "the dtype argument" : like_name, " (", to_str(want), "), got ",
-              to_str(t.scalar_type()));
 }
 
+// `want_from`: what fixes the dtype `t` must have, for the message.
+void check_dtype(const at::Tensor& t, const char* name, at::ScalarType want, const char* want_from) {
+  TORCH_CHECK(t.scalar_type() == want, "ct_bn_pool: ", name, " must have the same dtype as ",
+              want_from, " (", to_str(want), "), got ", to_str(t.scalar_type()));
+}
+
+// The conv's dtype T: x, weight and bias share it, as nn.ConvTranspose3d requires.
+void check_conv_dtype(at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat ||
+                  dtype == at::kDouble,
+              "ct_bn_pool: ", name, " must be float16, bfloat16, float32 or float64, got ",
+              to_str(dtype));
+}
+
+bool present(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// Shape and device of a per-output-channel vector.
 void check_channel_vector(const c10::optional<at::Tensor>& t, const char* name, int64_t channels,
-                          const at::Tensor& like, const char* like_name = "x",
-                          c10::optional<at::ScalarType> dtype = {}) {
-  if (!t.has_value() || !t->defined()) return;
+                          const at::Tensor& like, const char* like_name = "x") {
+  if (!present(t)) return;
   TORCH_CHECK(t->dim() == 1 && t->size(0) == channels, "ct_bn_pool: ", name,
               " must have shape [", to_str(channels),
               "] (one value per output channel), got ", to_str(t->sizes()));
-  check_same_kind(*t, name, like, like_name, dtype);
+  check_same_device(*t, name, like, like_name);
+}
+
+struct NamedTensor {
+  const c10::optional<at::Tensor>& tensor;
+  const char* name;
+};
+
+// BatchNorm's parameters and running statistics share one dtype P: the conv's
+// dtype T, or float32 when T is float16 or bfloat16 (the mixed precision
+// nn.BatchNorm3d accepts). The first one given fixes P for the others.
+void check_batch_norm_dtypes(std::initializer_list<NamedTensor> bn, at::ScalarType conv_dtype,
+                             const char* conv_dtype_from) {
+  const NamedTensor* first = nullptr;
+  for (const NamedTensor& t : bn) {
+    if (!present(t.tensor)) continue;
+    if (first) {
+      check_dtype(*t.tensor, t.name, first->tensor->scalar_type(), first->name);
+      continue;
+    }
+    first = &t;
+    const at::ScalarType p = t.tensor->scalar_type();
+    if (conv_dtype == at::kHalf || conv_dtype == at::kBFloat16) {
+      TORCH_CHECK(p == conv_dtype || p == at::kFloat, "ct_bn_pool: ", t.name,
+                  " must have the same dtype as ", conv_dtype_from, " (", to_str(conv_dtype),
+                  ") or be float32, got ", to_str(p));
+    } else {
+      check_dtype(*t.tensor, t.name, conv_dtype, conv_dtype_from);
+    }
+  }
 }
 
 void check_triple(at::IntArrayRef v, const char* name, int64_t min_value) {
@@ -35,8 +76,6 @@ void check_triple(at::IntArrayRef v, const char* name, int64_t min_value) {
                       " in every dimension, got ", to_str(v));
   }
 }
-
-bool present(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
 }  // namespace
 
@@ -51,8 +90,7 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
                              int64_t groups, bool one_of_many) {
   TORCH_CHECK(x.dim() == 5, "ct_bn_pool: x must be a 5-D tensor [B, C_in, D, H, W], got ",
               to_str(x.dim()), "-D with shape ", to_str(x.sizes()));
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
-              "ct_bn_pool: x must be float32 or float64, got ", to_str(x.scalar_type()));
+  check_conv_dtype(x.scalar_type(), "x");
   // A process's share of a synchronized batch may hold no samples.
   const bool empty_ok = one_of_many && x.size(0) == 0 &&
                         x.size(1) * x.size(2) * x.size(3) * x.size(4) > 0;
@@ -62,7 +100,8 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
               "ct_bn_pool: weight must be a 5-D ConvTranspose3d weight [C_in, C_out/groups, kD, kH, "
               "kW], got shape ",
               to_str(weight.sizes()));
-  check_same_kind(weight, "weight", x);
+  check_same_device(weight, "weight", x, "x");
+  check_dtype(weight, "weight", x.scalar_type(), "x");
   TORCH_CHECK_VALUE(groups >= 1, "ct_bn_pool: groups must be >= 1, got ", to_str(groups));
   TORCH_CHECK(weight.size(0) == x.size(1), "ct_bn_pool: weight.size(0) must equal x.size(1) = ",
               to_str(x.size(1)), " (input channels), got weight shape ", to_str(weight.sizes()));
@@ -105,6 +144,12 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
   check_channel_vector(bn_bias, "bn_bias", g.out_channels, x);
   check_channel_vector(running_mean, "running_mean", g.out_channels, x);
   check_channel_vector(running_var, "running_var", g.out_channels, x);
+  if (present(bias)) check_dtype(*bias, "bias", x.scalar_type(), "x");
+  check_batch_norm_dtypes({{bn_weight, "bn_weight"},
+                           {bn_bias, "bn_bias"},
+                           {running_mean, "running_mean"},
+                           {running_var, "running_var"}},
+                          x.scalar_type(), "x");
   TORCH_CHECK_VALUE(present(running_mean) == present(running_var),
                     "ct_bn_pool: running_mean and running_var must be given together or both be "
                     "None");
@@ -138,15 +183,21 @@ ConvGeometry validate_apply_inputs(const at::Tensor& sample_sums, const at::Tens
   TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 3 && stats.size(1) == channels,
               "ct_bn_pool: stats must have shape [3, ", to_str(channels),
               "] (count, mean, m2 per channel), got ", to_str(stats.sizes()));
-  check_same_kind(stats, "stats", sample_sums, "sample_sums");
+  check_same_device(stats, "stats", sample_sums, "sample_sums");
+  check_dtype(stats, "stats", at::kDouble, "sample_sums");
   TORCH_CHECK_VALUE(spatial >= 1, "ct_bn_pool: spatial must be >= 1, got ", to_str(spatial));
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
-              "ct_bn_pool: dtype must be float32 or float64, got ", to_str(dtype));
-  check_channel_vector(bias, "bias", channels, sample_sums, "sample_sums", dtype);
-  check_channel_vector(bn_weight, "bn_weight", channels, sample_sums, "sample_sums", dtype);
-  check_channel_vector(bn_bias, "bn_bias", channels, sample_sums, "sample_sums", dtype);
-  check_channel_vector(running_mean, "running_mean", channels, sample_sums, "sample_sums", dtype);
-  check_channel_vector(running_var, "running_var", channels, sample_sums, "sample_sums", dtype);
+  check_conv_dtype(dtype, "dtype");
+  check_channel_vector(bias, "bias", channels, sample_sums, "sample_sums");
+  check_channel_vector(bn_weight, "bn_weight", channels, sample_sums, "sample_sums");
+  check_channel_vector(bn_bias, "bn_bias", channels, sample_sums, "sample_sums");
+  check_channel_vector(running_mean, "running_mean", channels, sample_sums, "sample_sums");
+  check_channel_vector(running_var, "running_var", channels, sample_sums, "sample_sums");
+  if (present(bias)) check_dtype(*bias, "bias", dtype, "the dtype argument");
+  check_batch_norm_dtypes({{bn_weight, "bn_weight"},
+                           {bn_bias, "bn_bias"},
+                           {running_mean, "running_mean"},
+                           {running_var, "running_var"}},
+                          dtype, "the dtype argument");
   TORCH_CHECK_VALUE(present(running_mean) == present(running_var),
                     "ct_bn_pool: running_mean and running_var must be given together or both be "
                     "None");
@@ -161,7 +212,8 @@ ConvGeometry validate_apply_inputs(const at::Tensor& sample_sums, const at::Tens
 }
 
 EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, const ConvGeometry& g,
-                             at::ScalarType dtype) {
+                             at::ScalarType input_dtype) {
+  const at::ScalarType dtype = compute_dtype(input_dtype);
   if (algo == "auto") return backend.auto_energy_algo(g, dtype);
   if (algo == "direct") return EnergyAlgo::Direct;
   if (algo == "sliced_conv") return EnergyAlgo::SlicedConv;
@@ -170,9 +222,10 @@ EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, cons
                       "ct_bn_pool: algo='fft' is implemented for CUDA tensors only; use 'auto', "
                       "'direct' or 'sliced_conv' on this device");
     TORCH_CHECK_VALUE(backend.fft_applies(g, dtype),
-                      "ct_bn_pool: algo='fft' needs float32 and stride 1, padding 0, "
-                      "output_padding 0 (a full convolution) with kernel height <= 16; got dtype ",
-                      to_str(dtype), ", stride ", to_str(at::IntArrayRef(g.stride, 3)), ", padding ",
+                      "ct_bn_pool: algo='fft' needs float32, float16 or bfloat16 and stride 1, "
+                      "padding 0, output_padding 0 (a full convolution) with kernel height <= 16; "
+                      "got dtype ",
+                      to_str(input_dtype), ", stride ", to_str(at::IntArrayRef(g.stride, 3)), ", padding ",
                       to_str(at::IntArrayRef(g.padding, 3)), ", output_padding ",
                       to_str(at::IntArrayRef(g.output_padding, 3)), ", kernel ",
                       to_str(at::IntArrayRef(g.kernel, 3)), " (use 'auto')");

@@ -31,8 +31,9 @@ ConvGeometry validate_apply_inputs(const at::Tensor& sample_sums, const at::Tens
                                    const c10::optional<at::Tensor>& running_var, double eps,
                                    at::ScalarType dtype);
 
-// Parses the `algo` argument: "auto" yields the backend's choice.
+// Parses the `algo` argument for inputs of dtype `input_dtype`: "auto" yields
+// the backend's choice.
 EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, const ConvGeometry& g,
-                             at::ScalarType dtype);
+                             at::ScalarType input_dtype);
 
 }  // namespace fused_ops

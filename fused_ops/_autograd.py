@@ -26,6 +26,11 @@ PyTorch's compile caches (FX graph, AOTAutograd) key on the traced graph, not on
 kernels: after changing this file, clear them or set ``TORCHINDUCTOR_FX_GRAPH_CACHE=0
 TORCHINDUCTOR_AUTOGRAD_CACHE=0``, or a compiled backward of the old formula may be reused.
 
+Dtypes (docs/math.md §5): tensors of x's or the conv output's size stay in x's dtype, as in
+PyTorch's own backward of the unfused modules; per-channel and weight-sized quantities are
+computed in float32 for float16/bfloat16 inputs (in the inputs' dtype otherwise); each
+gradient is returned in its input's dtype (BatchNorm's may be float32 for a float16 x).
+
 ``ct_bn_pool_stats`` and ``ct_bn_pool_apply`` (the halves of the synchronized training step)
 keep the C++ not-implemented fallback (``csrc/ops.cpp``): a backward through them raises.
 """
@@ -80,6 +85,7 @@ class _CtBnPoolBackward(torch.autograd.Function):
         ctx.conv = {k: call[k] for k in ("stride", "padding", "output_padding", "dilation",
                                          "groups")}
         ctx.num_args = len(args)
+        ctx.dtypes = {n: call[n].dtype for n in _DIFFERENTIABLE if call[n] is not None}
         return out
 
     @staticmethod
@@ -94,7 +100,15 @@ class _CtBnPoolBackward(torch.autograd.Function):
         else:
             grads = _eval_grads(ctx, grad_out, needs, running_mean=eval_stats[0],
                                 running_var=eval_stats[1], **saved)
-        return (None, None, *(grads.get(n) if needs.get(n) else None for n in names))
+        grads = {n: grad.to(ctx.dtypes[n]) for n, grad in grads.items()
+                 if needs.get(n) and grad is not None}  # each in its input's dtype
+        return (None, None, *(grads.get(n) for n in names))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the small (per-channel, weight-sized) algebra for inputs of `dtype`:
+    float32 for float16 and bfloat16, as in the forward."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _per_weight(per_channel: Tensor, weight: Tensor, groups: int) -> Tensor:
@@ -119,12 +133,14 @@ def _convolution_backward(ctx, grad_y, x, weight, need_x, need_weight):
 
 def _eval_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, running_mean, running_var):
     """docs/math.md §6.1: the gradient wrt y is constant over positions, per (b, c)."""
-    g = grad_out.flatten(1)  # [B, C]
+    compute = _compute_dtype(x.dtype)
+    g = grad_out.flatten(1).to(compute)  # [B, C]
     size = out_size(x, weight, ctx.conv["stride"], ctx.conv["padding"],
                     ctx.conv["output_padding"], ctx.conv["dilation"])
     positions = size[0] * size[1] * size[2]
-    inv_std = torch.rsqrt(running_var + ctx.eps)
-    gain = inv_std if bn_weight is None else bn_weight * inv_std  # gamma / sqrt(var + eps)
+    inv_std = torch.rsqrt(running_var.to(compute) + ctx.eps)
+    # gamma / sqrt(var + eps)
+    gain = inv_std if bn_weight is None else bn_weight.to(compute) * inv_std
     coef = gain * (ctx.scale / positions)  # d out[b, c] / d y[b, c, o]
     g_sum = g.sum(0)
     grads = {"bn_bias": g_sum, "bias": g_sum * gain * ctx.scale}
@@ -134,23 +150,29 @@ def _eval_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, running_mean, 
         # scaled by coef per output channel, is grad_x; the weight gradient of the unscaled
         # g is G[ci, c, k] = sum_b g[b, c] T[b, ci, k] (§6.1), which both grad_weight and
         # grad_bn_weight are made of. expand: no [B, C, Do, Ho, Wo] tensor is written here
-        # (convolution_backward may make one contiguous).
-        g_field = g.view(*g.shape, 1, 1, 1).expand(*g.shape, *size)
-        scaled = weight * _per_weight(coef, weight, ctx.conv["groups"]) if needs["x"] else weight
+        # (convolution_backward may make one contiguous). Its operands are in x's dtype.
+        g_field = grad_out.expand(*g.shape, *size)
+        weight_c = weight.to(compute)
+        scaled = weight
+        if needs["x"]:
+            scaled = (weight_c * _per_weight(coef, weight, ctx.conv["groups"])).to(weight.dtype)
         grads["x"], tap_sums = _convolution_backward(ctx, g_field, x, scaled, needs["x"],
                                                      need_sums)
+        if need_sums:
+            tap_sums = tap_sums.to(compute)
         if needs["weight"]:
             grads["weight"] = tap_sums * _per_weight(coef, weight, ctx.conv["groups"])
         if needs["bn_weight"]:
-            g_dot_sums = _per_channel(weight * tap_sums, ctx.conv["groups"])  # sum_b g S
-            shift = -running_mean if bias is None else bias * ctx.scale - running_mean
+            g_dot_sums = _per_channel(weight_c * tap_sums, ctx.conv["groups"])  # sum_b g S
+            mean = running_mean.to(compute)
+            shift = -mean if bias is None else bias.to(compute) * ctx.scale - mean
             grads["bn_weight"] = inv_std * (g_dot_sums * (ctx.scale / positions) + shift * g_sum)
     return grads
 
 
 def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight):
     """docs/math.md §6.2: batch statistics, so the convolution output is recomputed."""
-    grads = {"bn_bias": grad_out.sum(0).flatten()}
+    grads = {"bn_bias": grad_out.to(_compute_dtype(x.dtype)).sum(0).flatten()}
     if bias is not None:
         grads["bias"] = torch.zeros_like(bias)  # the batch mean removes it
     if needs["x"] or needs["weight"] or needs["bn_weight"]:
@@ -166,22 +188,26 @@ def _normalized_conv_output(ctx, x, weight):
     y = torch.ops.aten.convolution.default(x, weight, None, c["stride"], c["padding"],
                                            c["dilation"], True, c["output_padding"], c["groups"])
     var, mean = torch.var_mean(y, dim=(0, 2, 3, 4), correction=0, keepdim=True)
+    var, mean = var.to(_compute_dtype(y.dtype)), mean.to(_compute_dtype(y.dtype))
     z_unit = ctx.scale * torch.rsqrt(var * ctx.scale ** 2 + ctx.eps)
-    return torch.addcmul(-mean * z_unit, y, z_unit), z_unit  # one more [B, C, Do, Ho, Wo]
+    # One more [B, C, Do, Ho, Wo], in y's dtype.
+    return torch.addcmul((-mean * z_unit).to(y.dtype), y, z_unit.to(y.dtype)), z_unit
 
 
 def _normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight):
     """Training mode's gradients that need zhat (§6.2)."""
     zhat, z_unit = _normalized_conv_output(ctx, x, weight)
-    g = grad_out  # [B, C, 1, 1, 1]
-    g_zbar = g * zhat.mean((2, 3, 4), keepdim=True)  # g * (pooled zhat)
+    compute = z_unit.dtype
+    g = grad_out.to(compute)  # [B, C, 1, 1, 1]
+    g_zbar = g * zhat.mean((2, 3, 4), keepdim=True, dtype=compute)  # g * (pooled zhat)
     grads = {"bn_weight": g_zbar.sum(0).flatten()}
     if needs["x"] or needs["weight"]:
-        gain = z_unit if bn_weight is None else bn_weight.view(1, -1, 1, 1, 1) * z_unit
+        gamma = None if bn_weight is None else bn_weight.to(compute).view(1, -1, 1, 1, 1)
+        gain = z_unit if gamma is None else gamma * z_unit
         coef = gain / zhat[0, 0].numel()  # gamma scale / (sqrt(var_z + eps) N)
         # grad_y = coef * (g - mean_b g - mean_b(g zbar) zhat): one more buffer, zhat freed.
-        grad_y = torch.addcmul(coef * (g - g.mean(0, keepdim=True)), zhat,
-                               -coef * g_zbar.mean(0, keepdim=True))
+        grad_y = torch.addcmul((coef * (g - g.mean(0, keepdim=True))).to(zhat.dtype), zhat,
+                               (-coef * g_zbar.mean(0, keepdim=True)).to(zhat.dtype))
         del zhat
         grads["x"], grads["weight"] = _convolution_backward(ctx, grad_y, x, weight, needs["x"],
                                                             needs["weight"])

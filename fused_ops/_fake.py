@@ -8,6 +8,7 @@ def _ct_bn_pool_fake(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
                      output_padding=(0, 0, 0), dilation=(1, 1, 1), groups=1, algo="auto"):
     torch._check(x.dim() == 5, lambda: f"ct_bn_pool: x must be a 5-D tensor, got {x.dim()}-D")
     torch._check(weight.dim() == 5, lambda: f"ct_bn_pool: weight must be 5-D, got {weight.dim()}-D")
+    # In x's dtype, whatever the batch norm's (float32 for a float16 x, say).
     return x.new_empty((x.shape[0], weight.shape[1] * groups, 1, 1, 1))
 
 

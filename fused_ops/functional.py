@@ -46,13 +46,17 @@ def ct_bn_pool(
     rounding of ``x``'s dtype.
 
     Args:
-        x: input ``[B, C_in, D, H, W]``, float32 or float64.
-        weight: ConvTranspose3d weight ``[C_in, C_out / groups, kD, kH, kW]``.
-        bias: conv bias ``[C_out]`` or None.
+        x: input ``[B, C_in, D, H, W]``: float16, bfloat16, float32 or float64. The
+            output has its dtype.
+        weight: ConvTranspose3d weight ``[C_in, C_out / groups, kD, kH, kW]``, x's dtype.
+        bias: conv bias ``[C_out]`` or None, x's dtype.
         scale: the Python number the conv output is multiplied by.
         bn_weight, bn_bias: BatchNorm affine parameters ``[C_out]`` or None (``affine=False``).
+            They and the running statistics share one dtype: x's, or float32 for a float16
+            or bfloat16 x (as PyTorch's batch norm allows).
         running_mean, running_var: BatchNorm running statistics ``[C_out]``, or None for
-            ``track_running_stats=False``. Updated in place when ``training`` is True.
+            ``track_running_stats=False``. Updated in place, in their own dtype, when
+            ``training`` is True.
         training: True normalizes with the batch statistics (biased variance over
             ``B * Do * Ho * Wo`` values per channel) and updates the running statistics;
             False normalizes with the running statistics, which are then required.
@@ -63,11 +67,12 @@ def ct_bn_pool(
         groups: ConvTranspose3d groups.
         algo: how training mode gets the per-channel variance (``docs/math.md`` §3):
             ``"auto"`` (default: ``"fft"`` where it applies, else ``"sliced_conv"``;
-            ``docs/performance.md`` says why), ``"fft"`` (CUDA, float32, stride 1, padding 0,
-            output_padding 0: Parseval on the spectra of x and the weight, never forming the
-            conv output), ``"direct"`` (our kernel, computes the conv output in registers and
-            never stores it) or ``"sliced_conv"`` (ATen's convolution, TF32 off, over slices
-            of the batch of at most 64 MiB of output). A forced ``"fft"`` where it does not
+            ``docs/performance.md`` says why), ``"fft"`` (CUDA, float32, float16 or bfloat16,
+            stride 1, padding 0, output_padding 0: Parseval on the spectra of x and the
+            weight, in float32, never forming the conv output), ``"direct"`` (our kernel,
+            computes the conv output in registers and never stores it) or ``"sliced_conv"``
+            (ATen's convolution, TF32 off, over slices of the batch of at most 64 MiB of
+            output). A forced ``"fft"`` where it does not
             apply raises ValueError.
             Eval mode needs no convolution and ignores it.
         process_group: a ``torch.distributed`` ProcessGroup, or None (the default: this

@@ -24,8 +24,11 @@ def one_value_per_channel(a):
 
 CASES = {
     "x_4d": (lambda a: a.update(x=a["x"][0]), RuntimeError, "x must be a 5-D tensor"),
-    "x_int": (lambda a: a.update(x=a["x"].to(torch.int32)), RuntimeError, "float32 or float64"),
-    "x_half": (lambda a: a.update(x=a["x"].half()), RuntimeError, "float32 or float64"),
+    "x_int": (lambda a: a.update(x=a["x"].to(torch.int32)), RuntimeError,
+              "x must be float16, bfloat16, float32 or float64"),
+    # A float16 x is accepted, with a weight of its dtype (tests/test_dtypes.py).
+    "x_half": (lambda a: a.update(x=a["x"].half()), RuntimeError,
+               r"weight must have the same dtype as x \(float16\), got float32"),
     "x_empty": (lambda a: a.update(x=a["x"][:0]), RuntimeError, "non-empty"),
     "weight_4d": (lambda a: a.update(weight=a["weight"][0]), RuntimeError, "weight must be a 5-D"),
     "weight_channels": (lambda a: a.update(weight=a["weight"][:3]), RuntimeError,

@@ -55,7 +55,8 @@ def test_fft_refuses_what_it_does_not_compute(conv_kwargs):
     p = Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=conv_kwargs)
     _, fused = make_models(p, torch.float32, "cuda", algo="fft")
     before = fused.batch_norm.running_var.clone()
-    with pytest.raises(ValueError, match="algo='fft' needs float32 and stride 1"):
+    with pytest.raises(ValueError,
+                       match="algo='fft' needs float32, float16 or bfloat16 and stride 1"):
         fused(make_input(p, torch.float32, "cuda"))
     assert torch.equal(fused.batch_norm.running_var, before)
     assert int(fused.batch_norm.num_batches_tracked) == 0

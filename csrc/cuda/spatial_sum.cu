@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cub/block/block_reduce.cuh>
 
 #include "cuda/kernels.h"
@@ -38,6 +39,25 @@ struct Vec16<double> {
   static constexpr int n = 2;
   __device__ static double sum(const double2& v) { return v.x + v.y; }
 };
+// float16 and bfloat16: 8 values loaded as one uint4, each converted (exactly)
+// to double and summed there.
+template <typename half_t>
+struct Vec16Of8 {
+  using type = uint4;
+  static constexpr int n = 8;
+  __device__ static double sum(const uint4& v) {
+    half_t h[8];
+    memcpy(h, &v, sizeof(v));
+    double pair[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) pair[k] = double(float(h[2 * k])) + double(float(h[2 * k + 1]));
+    return (pair[0] + pair[1]) + (pair[2] + pair[3]);
+  }
+};
+template <>
+struct Vec16<at::Half> : Vec16Of8<at::Half> {};
+template <>
+struct Vec16<at::BFloat16> : Vec16Of8<at::BFloat16> {};
 
 struct WeightRows {
   int64_t rows, len, per_block;
@@ -113,7 +133,7 @@ SampleSumTensors sample_sums_cuda(const at::Tensor& x, const at::Tensor& weight)
                          (w_rows + blocks - 1) / blocks, sums.w_red.data_ptr<double>()};
   const bool vector_ok = len % vec == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "sample_sums_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sample_sums_cuda", [&] {
     auto kernel = vector_ok ? spatial_sum_kernel<scalar_t, true> : spatial_sum_kernel<scalar_t, false>;
     kernel<<<blocks, kThreads, 0, stream>>>(x.data_ptr<scalar_t>(), len, chunk, parts,
                                             sums.x_red.data_ptr<double>(),
