@@ -41,15 +41,19 @@ at::Tensor optional_contiguous(const c10::optional<at::Tensor>& t) {
 }
 
 // The sums and, in training, the energy: everything the finalize needs from x.
-void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tensor& weight_in,
+// x keeps its layout (memory format, strides) wherever the step reading it takes
+// any: the sums, ATen's convolution and FFT; only the direct kernel needs it
+// contiguous.
+void reduce_input(const Backend& backend, const at::Tensor& x, const at::Tensor& weight_in,
                   const ConvGeometry& g, bool training, c10::string_view algo, FinalizeInputs& in) {
-  const EnergyAlgo energy_algo = parse_energy_algo(algo, backend, g, x_in.scalar_type());
-  const at::Tensor x = x_in.contiguous(), weight = weight_in.contiguous();
+  const EnergyAlgo energy_algo = parse_energy_algo(algo, backend, g, x.scalar_type());
+  const at::Tensor weight = weight_in.contiguous();
   in.sums = sample_sums(backend, x, weight, g);
   if (!training) return;
   switch (energy_algo) {
     case EnergyAlgo::Direct:
-      in.energy = backend.energy_direct(x, pack_weight_for_direct(weight, g), in.sums, g);
+      in.energy =
+          backend.energy_direct(x.contiguous(), pack_weight_for_direct(weight, g), in.sums, g);
       break;
     case EnergyAlgo::SlicedConv:
       in.energy = energy_sliced_conv(x, weight, g);

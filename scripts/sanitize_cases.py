@@ -4,11 +4,11 @@ import torch
 import fused_ops
 
 
-def run(batch, ci, co, size, kernel, training, algo, **conv):
+def run(batch, ci, co, size, kernel, training, algo, view=lambda x: x, **conv):
     m = fused_ops.ConvTransposeBNPool3d(ci, co, kernel, 2.0, algo=algo, **conv).cuda()
     m.train(training)
     with torch.no_grad():
-        out = m(torch.randn(batch, ci, *size, device="cuda"))
+        out = m(view(torch.randn(batch, ci, *size, device="cuda")))
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
 
@@ -30,4 +30,24 @@ torch.cuda.synchronize()
 assert torch.isfinite(out).all()
 run(1, 3, 4, (7, 9, 11), 3, False, "auto")  # odd length: the scalar spatial-sum path
 run(2, 4, 8, (64, 64, 64), 1, False, "auto")  # few rows: a row split into parts
+
+
+def channels_last(x):
+    return x.contiguous(memory_format=torch.channels_last_3d)
+
+
+def channel_window(x):  # channels adjacent, but not 16-byte aligned: 4-byte loads
+    return channels_last(torch.cat([x, x], 1))[:, 1:x.shape[1] + 1]
+
+
+# The channels-last kernel: 4-byte loads (3 channels), narrower than a warp (8), slabs and
+# chunks of positions (64), wider than a warp (200), more vectors than threads (2100).
+for ci, size in ((3, (5, 6, 7)), (8, (4, 16, 16)), (64, (8, 16, 32)), (200, (2, 3, 5)),
+                 (2100, (2, 3, 4))):
+    run(2, ci, 5, size, 1, False, "auto", view=channels_last)
+run(2, 8, 5, (3, 4, 5), 2, False, "auto", view=channel_window)
+run(3, 8, 6, (3, 4, 5), 2, False, "auto", view=lambda x: torch.cat([x, x])[::2])  # row kernel
+run(3, 8, 6, (3, 4, 5), 2, False, "auto", view=lambda x: x[..., ::2])  # copied
+for algo in ("fft", "direct", "sliced_conv"):
+    run(3, 8, 6, (3, 4, 5), 2, True, algo, view=channels_last)
 print("sanitize cases ran")
