@@ -3,7 +3,7 @@
 
     python bench/bench_ct_bn_pool.py [--device cuda|cpu] [--problems seed,b4,...]
         [--modes eval,train] [--reps N] [--no-compile] [--algos auto,fft,direct,sliced_conv]
-        [--out bench/results]
+        [--memory-format contiguous|channels_last_3d] [--out bench/results]
 
 For every problem and mode it times the unfused PyTorch module (eager and torch.compile)
 and the fused module, checks both against a float64 run of the same module, and writes
@@ -47,6 +47,7 @@ CPU_PROBLEMS = {
 DIM_NAMES = ("B", "Ci", "Co", "D", "H", "W", "k")
 MODES = ("eval", "train")
 ALGOS = ("auto", "fft", "direct", "sliced_conv")
+MEMORY_FORMATS = ("contiguous", "channels_last_3d")
 
 WARMUP_CALLS = 5
 SLEEP_US = 100.0         # GPU busy-wait enqueued before each timed CUDA call (see CudaClock)
@@ -88,18 +89,27 @@ class InputRing:
     kernels and Inductor see the alignment they would in real use.
     """
 
-    def __init__(self, shape, device, min_total_bytes):
+    def __init__(self, shape, device, min_total_bytes, memory_format="contiguous"):
         numel = math.prod(shape)
         slot = -(-numel // INPUT_ALIGN) * INPUT_ALIGN
         count = max(MIN_INPUTS, math.ceil(min_total_bytes / (numel * 4)))
         buffer = torch.randn(count * slot, device=device)
-        self.inputs = [buffer[i * slot:i * slot + numel].view(shape) for i in range(count)]
+        self.inputs = [as_memory_format(buffer[i * slot:i * slot + numel], shape, memory_format)
+                       for i in range(count)]
         self.index = 0
 
     def next(self) -> torch.Tensor:
         x = self.inputs[self.index]
         self.index = (self.index + 1) % len(self.inputs)
         return x
+
+
+def as_memory_format(flat, shape, memory_format):
+    """flat viewed as [B, C, D, H, W] in memory_format (channels_last_3d: [B, D, H, W, C] in memory)."""
+    if memory_format == "contiguous":
+        return flat.view(shape)
+    batch, channels, *size = shape
+    return flat.view(batch, *size, channels).permute(0, 4, 1, 2, 3)
 
 
 class Clock:
@@ -321,8 +331,10 @@ def setup_problem(name, dims, args) -> Setup:
     compile_it = not args.no_compile and (not args.compile_problems
                                           or name in args.compile_problems.split(","))
     return Setup(ref, fused, torch.compile(ref, dynamic=False) if compile_it else None,
-                 copy.deepcopy(ref.state_dict()), InputRing(shape, args.device, 3 * l2_bytes),
-                 torch.randn(shape, device=args.device))
+                 copy.deepcopy(ref.state_dict()),
+                 InputRing(shape, args.device, 3 * l2_bytes, args.memory_format),
+                 as_memory_format(torch.randn(math.prod(shape), device=args.device), shape,
+                                  args.memory_format))
 
 
 def set_accuracy(row, prefix, got, expected, train):
@@ -443,6 +455,8 @@ def parse_args():
     parser.add_argument("--compile-problems",
                         help="comma-separated problems that time torch.compile (default: all)")
     parser.add_argument("--algos", default="auto", help="train-mode algos of the fused op")
+    parser.add_argument("--memory-format", choices=MEMORY_FORMATS, default="contiguous",
+                        help="layout of every input x, for all three implementations")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -460,7 +474,8 @@ def parse_args():
 
 def print_header(args, clock, meta):
     print(f"fused_ops.ct_bn_pool benchmark on {meta['gpu']}, torch {meta['torch']}, {meta['date']}")
-    print(f"problems (B, Ci, Co, D, H, W, k), scale {SCALE}, float32: {args.problems}")
+    print(f"problems (B, Ci, Co, D, H, W, k), scale {SCALE}, float32, x {args.memory_format}:"
+          f" {args.problems}")
     if args.device == "cuda":
         l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_FALLBACK_BYTES
         print(f"timing: CUDA events around each call; before each call torch.cuda._sleep of "
@@ -483,10 +498,11 @@ def main():
     else:
         gpu, clock = "cpu", CpuClock()
     meta = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "command": " ".join(["python"] + sys.argv)}
+            "memory_format": args.memory_format, "command": " ".join(["python"] + sys.argv)}
     print_header(args, clock, meta)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{gpu}-{meta['date']}.json"
+    suffix = "" if args.memory_format == "contiguous" else "-" + args.memory_format
+    path = args.out / f"{gpu}-{meta['date']}{suffix}.json"
     rows = []
     with torch.no_grad():  # forward-only benchmark: no autograd graph for the reference either
         for name, dims in args.problems.items():

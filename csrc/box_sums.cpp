@@ -16,8 +16,10 @@ at::Tensor landing_mask(const ConvGeometry& g, int dim, const at::TensorOptions&
 
 at::Tensor box_sums(const at::Tensor& x, const ConvGeometry& g) {
   const auto opts = x.options();
-  const auto xd = x.to(at::kDouble).reshape(
-      {g.batch * g.in_channels, g.in_size[0], g.in_size[1], g.in_size[2]});
+  // One float64 copy of x, contiguous whatever x's layout, so that reshape is a view.
+  const auto xd = x.to(at::kDouble, /*non_blocking=*/false, /*copy=*/false,
+                       at::MemoryFormat::Contiguous)
+                      .view({g.batch * g.in_channels, g.in_size[0], g.in_size[1], g.in_size[2]});
   // One contraction per dimension; each visits x's elements once.
   auto t = at::einsum("ndhw,aw->ndha", {xd, landing_mask(g, 2, opts)});
   t = at::einsum("ndha,bh->ndba", {t, landing_mask(g, 1, opts)});

@@ -42,18 +42,22 @@ at::Tensor contiguous_as(const c10::optional<at::Tensor>& t, at::ScalarType dtyp
 }
 
 // The sums and, in training, the energy: everything the finalize needs from x.
+// x keeps its layout (memory format, strides) wherever the step reading it takes
+// any: the sums, ATen's convolution and FFT; only the direct kernel needs it
+// contiguous.
 void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tensor& weight_in,
                   const ConvGeometry& g, bool training, c10::string_view algo, FinalizeInputs& in) {
   const EnergyAlgo energy_algo = parse_energy_algo(algo, backend, g, x_in.scalar_type());
-  // The sums read x and the weight in their own dtype.
-  in.sums = sample_sums(backend, x_in.contiguous(), weight_in.contiguous(), g);
+  // The sums read x and the weight in their own dtype, x in its own layout.
+  in.sums = sample_sums(backend, x_in, weight_in.contiguous(), g);
   if (!training) return;
   const at::ScalarType energy_dtype = compute_dtype(x_in.scalar_type());
-  const at::Tensor x = contiguous_as(x_in, energy_dtype);
+  const at::Tensor x = x_in.to(energy_dtype);  // same layout
   const at::Tensor weight = contiguous_as(weight_in, energy_dtype);
   switch (energy_algo) {
     case EnergyAlgo::Direct:
-      in.energy = backend.energy_direct(x, pack_weight_for_direct(weight, g), in.sums, g);
+      in.energy =
+          backend.energy_direct(x.contiguous(), pack_weight_for_direct(weight, g), in.sums, g);
       break;
     case EnergyAlgo::SlicedConv:
       in.energy = energy_sliced_conv(x, weight, g);

@@ -41,9 +41,10 @@ struct FinalizeInputs {
 
 // What differs between devices; the orchestration in ct_bn_pool.cpp is shared.
 struct Backend {
-  // For padding 0 (x, weight contiguous): x_red [B, Ci, J], J partial sums of
-  // each x[b, ci] over D, H, W, and w_red [Ci, Cog, 1], each weight[ci, co]
-  // summed over its taps; double.
+  // For padding 0 (x in any layout, weight contiguous): x_red [B, Ci, J], J
+  // partial sums of each x[b, ci] over D, H, W, and w_red [Ci, Cog, 1], each
+  // weight[ci, co] summed over its taps; double. x is read in place wherever the
+  // device has a strided read of its layout (README, memory formats).
   SampleSumTensors (*sample_sums)(const at::Tensor& x, const at::Tensor& weight);
   // [B, Co, S] double within-sample centred sums of squares of the conv
   // output, computed by the direct kernel from x and the packed weight.

@@ -25,10 +25,20 @@ struct SampleSums {
     const int64_t terms = in_group_channels * parts, w_parts = w_part_stride ? parts : 1;
     const double* xr = x_red + (b * in_channels + group * in_group_channels) * parts;
     const double* wr = w_red + (group * in_group_channels * out_group_channels + co_g) * w_parts;
+    // Term k is (ci, j) = (k / parts, k % parts), ci within the group; both are
+    // stepped along with k, without a division per term (J can be large: the
+    // channels-last spatial sums split samples into chunks).
+    const int64_t ci_step = step / parts, j_step = step % parts;
+    int64_t ci = first / parts, j = first % parts;
     double s = 0;
     for (int64_t k = first; k < terms; k += step) {
-      const int64_t ci = k / parts, j = k % parts;  // ci within the group
       s += xr[k] * wr[ci * out_group_channels * w_parts + j * w_part_stride];
+      ci += ci_step;
+      j += j_step;
+      if (j >= parts) {
+        j -= parts;
+        ++ci;
+      }
     }
     return s;
   }

@@ -3,7 +3,7 @@
 # build against the machine's torch, run the CUDA tests, compute-sanitizer and
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
-#                        [backward]
+#                        [backward] [memory-format]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -47,16 +47,18 @@ if want sanitize; then
 fi
 if want profile; then
   step profile
-  (cd /tmp && python3 "$REPO/scripts/profile_seed.py" eval && python3 "$REPO/scripts/profile_seed.py" train) 2>&1 | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-150 || status=1
+  (cd /tmp && python3 "$REPO/scripts/profile_seed.py" eval && python3 "$REPO/scripts/profile_seed.py" train &&
+    python3 "$REPO/scripts/profile_seed.py" eval channels_last_3d) 2>&1 | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-150 || status=1
 fi
 if want ncu; then
   step ncu
   # One launch of each FFT-path kernel and of the eval kernels: occupancy, throughput, stalls.
-  for k in spectral_energy weight_spectrum spatial_sum bn_finalize; do
-    mode=train; [[ $k == spatial_sum || $k == bn_finalize ]] && mode=eval
+  for k in spectral_energy weight_spectrum spatial_sum bn_finalize spatial_sum_channels_last; do
+    mode=train; [[ $k == spatial_sum* || $k == bn_finalize ]] && mode=eval
+    layout=contiguous; [[ $k == spatial_sum_channels_last ]] && layout=channels_last_3d
     (cd /tmp && timeout 120 ncu --kernel-name "regex:$k" --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-      --section MemoryWorkloadAnalysis python3 "$REPO/scripts/profile_seed.py" "$mode") \
+      --section MemoryWorkloadAnalysis python3 "$REPO/scripts/profile_seed.py" "$mode" "$layout") \
       >"$OUT/ncu-$k.log" 2>&1 || status=1
     grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|Local|Stall|Block Limit|Dynamic Shared" "$OUT/ncu-$k.log" | head -24
   done
@@ -65,6 +67,13 @@ if want bench; then
   step bench
   (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed --no-compile \
     --algos auto,fft,sliced_conv --out "$OUT") 2>&1 | tee "$OUT/bench-seed.log" | tail -20 || status=1
+fi
+if want memory-format; then
+  step memory-format
+  # channels_last_3d inputs for all three implementations (docs/performance.md, memory formats);
+  # compare with the contiguous rows of `bench` or `bench-full`.
+  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,c16,s8 --no-compile \
+    --memory-format channels_last_3d --out "$OUT") 2>&1 | tee "$OUT/bench-channels-last.log" | tail -20 || status=1
 fi
 if want backward; then
   step backward

@@ -1,4 +1,7 @@
-"""Per-kernel GPU times of the fused op on the seed problem (torch.profiler), for tuning."""
+"""Per-kernel GPU times of the fused op on the seed problem (torch.profiler), for tuning.
+
+    python scripts/profile_seed.py [eval|train] [contiguous|channels_last_3d]
+"""
 import sys
 
 import torch
@@ -7,8 +10,12 @@ from torch.profiler import ProfilerActivity, profile
 import fused_ops
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "eval"
+layout = sys.argv[2] if len(sys.argv) > 2 else "contiguous"
+memory_format = {"contiguous": torch.contiguous_format,
+                 "channels_last_3d": torch.channels_last_3d}[layout]
 m = fused_ops.ConvTransposeBNPool3d(64, 128, 5, 2.0).cuda().train(mode == "train")
-xs = [torch.randn(16, 64, 16, 32, 32, device="cuda") for _ in range(6)]
+xs = [torch.randn(16, 64, 16, 32, 32, device="cuda").contiguous(memory_format=memory_format)
+      for _ in range(6)]
 with torch.no_grad():
     for x in xs:
         m(x)

@@ -4,12 +4,13 @@ import torch
 import fused_ops
 
 
-def run(batch, ci, co, size, kernel, training, algo, dtype=torch.float32, bn_dtype=None, **conv):
+def run(batch, ci, co, size, kernel, training, algo, dtype=torch.float32, bn_dtype=None,
+        view=lambda x: x, **conv):
     m = fused_ops.ConvTransposeBNPool3d(ci, co, kernel, 2.0, algo=algo, **conv).cuda().to(dtype)
     m.batch_norm.to(bn_dtype or dtype)
     m.train(training)
     with torch.no_grad():
-        out = m(torch.randn(batch, ci, *size, device="cuda", dtype=dtype))
+        out = m(view(torch.randn(batch, ci, *size, device="cuda", dtype=dtype)))
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
 
@@ -36,4 +37,27 @@ for dtype in (torch.float16, torch.bfloat16):  # 8 values per 16-byte load; floa
         run(3, 5, 19, (3, 4, 5), (2, 3, 2), training, "auto", dtype)  # odd rows: scalar loads
         run(2, 4, 8, (8, 8, 16), 1, training, "auto", dtype, torch.float32)  # 16-byte loads
     run(2, 6, 9, (5, 3, 4), 3, True, "direct", dtype, stride=2, padding=1, groups=3)
+
+
+def channels_last(x):
+    return x.contiguous(memory_format=torch.channels_last_3d)
+
+
+def channel_window(x):  # channels adjacent, but not 16-byte aligned: 4-byte loads
+    return channels_last(torch.cat([x, x], 1))[:, 1:x.shape[1] + 1]
+
+
+# The channels-last kernel: 4-byte loads (3 channels), narrower than a warp (8), slabs and
+# chunks of positions (64), wider than a warp (200), more vectors than threads (2100).
+for ci, size in ((3, (5, 6, 7)), (8, (4, 16, 16)), (64, (8, 16, 32)), (200, (2, 3, 5)),
+                 (2100, (2, 3, 4))):
+    run(2, ci, 5, size, 1, False, "auto", view=channels_last)
+run(2, 8, 5, (3, 4, 5), 2, False, "auto", view=channel_window)
+run(3, 8, 6, (3, 4, 5), 2, False, "auto", view=lambda x: torch.cat([x, x])[::2])  # row kernel
+run(3, 8, 6, (3, 4, 5), 2, False, "auto", view=lambda x: x[..., ::2])  # copied
+for algo in ("fft", "direct", "sliced_conv"):
+    run(3, 8, 6, (3, 4, 5), 2, True, algo, view=channels_last)
+for dtype in (torch.float16, torch.bfloat16):  # 8 channels a 16-byte load, and 2-byte loads
+    for ci in (16, 6):
+        run(2, ci, 5, (4, 6, 8), 2, False, "auto", dtype, torch.float32, view=channels_last)
 print("sanitize cases ran")

@@ -124,6 +124,40 @@ def test_train_matches_float64_reference(problem, dtypes, algo, device):
             assert relerr(stat, getattr(rbn, name)) <= TOLERANCE[bn_dtype], name
 
 
+# Half-precision x in layouts the sums read in place (test_memory_format.py): channels_last_3d
+# with 16-byte loads of 8 channels (16 channels) and with 2-byte loads (6 channels: a position's
+# channels are 12 bytes), and a slice along the batch (positions adjacent, batch stride 2x).
+HALF_VIEWS = {
+    "channels_last_16": (Problem(2, 16, 5, (4, 6, 8), (2, 3, 2)),
+                         lambda x: x.contiguous(memory_format=torch.channels_last_3d)),
+    "channels_last_6": (Problem(3, 6, 5, (3, 5, 4), (2, 2, 3)),
+                        lambda x: x.contiguous(memory_format=torch.channels_last_3d)),
+    "batch_step": (Problem(2, 4, 5, (4, 4, 8), (2, 2, 2)), lambda x: torch.cat([x, x])[::2]),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=str)
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("view", HALF_VIEWS)
+def test_half_views_match_float64_reference(view, training, dtype, device):
+    p, make_view = HALF_VIEWS[view]
+    ref, fused = make_dtype_models(p, dtype, torch.float32, device)
+    ref.train(training)
+    fused.train(training)
+    x = make_view(rounded_input(p, dtype, device))
+    assert not x.is_contiguous()
+    before = copy.deepcopy(ref)
+    with torch.no_grad():
+        out = fused(x)
+        expected = ref(x.double().cpu())
+    assert_output_accurate(out, expected, before, x.contiguous(), torch.float32)
+    if training:
+        for name in ("running_mean", "running_var"):
+            assert relerr(getattr(fused.batch_norm, name),
+                          getattr(ref.batch_norm, name)) <= TOLERANCE[torch.float32], name
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])

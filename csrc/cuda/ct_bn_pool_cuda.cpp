@@ -2,11 +2,47 @@
 // reductions and kernels.
 #include <torch/library.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "cuda/fft_energy.h"
 #include "cuda/kernels.h"
 
 namespace fused_ops {
 namespace {
+
+// x's SampleLayout (kernels.h), or nullopt where its D, H, W dims do not step
+// through memory evenly.
+c10::optional<SampleLayout> sample_layout(const at::Tensor& x) {
+  std::vector<int64_t> dims;  // D, H, W dims of more than one position, innermost first
+  for (int64_t d = 2; d < 5; ++d) {
+    if (x.size(d) > 1) dims.push_back(d);
+  }
+  std::sort(dims.begin(), dims.end(),
+            [&](int64_t a, int64_t b) { return x.stride(a) < x.stride(b); });
+  const int64_t position = dims.empty() ? 0 : x.stride(dims[0]);
+  int64_t step = position;
+  for (int64_t d : dims) {
+    if (x.stride(d) != step) return c10::nullopt;
+    step *= x.size(d);
+  }
+  return SampleLayout{x.size(0) > 1 ? x.stride(0) : 0, x.size(1) > 1 ? x.stride(1) : 0, position};
+}
+
+// x is read in place where its positions or its channels are adjacent in
+// memory; any other view is reduced from a contiguous copy (README, memory formats).
+SampleSumTensors sample_sums_any_layout_cuda(const at::Tensor& x, const at::Tensor& weight) {
+  const auto layout = sample_layout(x);
+  const bool one_position = x.size(2) * x.size(3) * x.size(4) == 1;
+  if (layout && (layout->position == 1 || one_position)) {
+    return sample_sums_cuda(x, *layout, weight);
+  }
+  if (layout && (layout->channel == 1 || x.size(1) == 1)) {
+    return sample_sums_channels_last_cuda(x, *layout, weight);
+  }
+  const at::Tensor copy = x.contiguous();
+  return sample_sums_cuda(copy, *sample_layout(copy), weight);
+}
 
 bool fft_applies_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   return dtype == at::kFloat && fft_energy_applies(g);
@@ -18,8 +54,8 @@ EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   return fft_applies_cuda(g, dtype) ? EnergyAlgo::Fft : EnergyAlgo::SlicedConv;
 }
 
-const Backend kCudaBackend = {sample_sums_cuda,      energy_direct_cuda, finalize_cuda,
-                              auto_energy_algo_cuda, energy_fft_cuda,    fft_applies_cuda};
+const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, finalize_cuda,
+                              auto_energy_algo_cuda,       energy_fft_cuda,    fft_applies_cuda};
 
 }  // namespace
 

@@ -1,9 +1,10 @@
 // The reductions behind the per-sample sums (docs/math.md §2), in one launch:
 // per-(b, ci) sums of x over D, H, W and the weight sums (weight_sum.cuh), a
-// few rows per block. This is the only pass over x in eval mode, so it is written
-// to run at memory bandwidth: 16-byte loads, kUnroll of them in flight per
-// thread, one block per row (or per part of a row when there are too few rows to
-// fill the GPU), double accumulation.
+// few rows per block, for x whose positions are adjacent in memory (contiguous x
+// and its slices along B or Ci; kernels.h). This is the only pass over x in eval
+// mode, so it is written to run at memory bandwidth: 16-byte loads, kUnroll of
+// them in flight per thread, one block per row (or per part of a row when there
+// are too few rows to fill the GPU), double accumulation.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,9 +12,9 @@
 #include <algorithm>
 #include <cstring>
 #include <cub/block/block_reduce.cuh>
+#include <tuple>
 
 #include "cuda/kernels.h"
-#include "message.h"
 #include "cuda/pdl.cuh"
 #include "cuda/weight_sum.cuh"
 
@@ -59,25 +60,21 @@ struct Vec16<at::Half> : Vec16Of8<at::Half> {};
 template <>
 struct Vec16<at::BFloat16> : Vec16Of8<at::BFloat16> {};
 
-struct WeightRows {
-  int64_t rows, len, per_block;
-  double* out;
-};
-
-// Block i sums part (i % parts) of row (i / parts) of x viewed as [rows, len],
-// then `per_block` rows of the weight; a part is `chunk` elements, a multiple of
-// the vector width.
+// Block i sums part (i % parts) of row (i / parts) of x viewed as [B * Ci, len],
+// row (b, ci) starting at element b * layout.batch + ci * layout.channel, then
+// its share of the weight rows; a part is `chunk` elements, a multiple of the
+// vector width.
 template <typename scalar_t, bool kVector>
 __global__ void __launch_bounds__(kThreads)
-    spatial_sum_kernel(const scalar_t* __restrict__ x, int64_t len, int64_t chunk, int64_t parts,
-                       double* __restrict__ out, const scalar_t* __restrict__ w,
-                       const WeightRows w_rows) {
+    spatial_sum_kernel(const scalar_t* __restrict__ x, const SampleLayout layout, int64_t channels,
+                       int64_t len, int64_t chunk, int64_t parts, double* __restrict__ out,
+                       const scalar_t* __restrict__ w, const WeightRows w_rows) {
   using V = Vec16<scalar_t>;
   pdl_launch_dependents();  // the finalize may be scheduled as soon as blocks retire
   const int64_t block = blockIdx.x;
   const int64_t row = block / parts, begin = (block % parts) * chunk;
   const int64_t end = std::min(len, begin + chunk);
-  const scalar_t* p = x + row * len;
+  const scalar_t* p = x + (row / channels) * layout.batch + (row % channels) * layout.channel;
   double acc = 0;
   if (kVector) {
     const auto* pv = reinterpret_cast<const typename V::type*>(p);
@@ -99,16 +96,13 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ typename BlockReduce::TempStorage tmp;
   const double total = BlockReduce(tmp).Sum(acc);
   if (threadIdx.x == 0) out[block] = total;
-  // Last, so that the loads of x start at once.
-  const int64_t w_begin = std::min(w_rows.rows, block * w_rows.per_block);
-  weight_row_sums<scalar_t, kThreads / 32>(w, w_rows.len, w_begin,
-                                           std::min(w_rows.rows, w_begin + w_rows.per_block),
-                                           w_rows.out);
+  weight_block_share<scalar_t, kThreads / 32>(w, w_rows, block);
 }
 
 }  // namespace
 
-SampleSumTensors sample_sums_cuda(const at::Tensor& x, const at::Tensor& weight) {
+SampleSumTensors sample_sums_cuda(const at::Tensor& x, const SampleLayout& layout,
+                                  const at::Tensor& weight) {
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.size(0) * x.size(1), len = x.size(2) * x.size(3) * x.size(4);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -124,20 +118,17 @@ SampleSumTensors sample_sums_cuda(const at::Tensor& x, const at::Tensor& weight)
   chunk = (chunk + vec - 1) / vec * vec;
   parts = (len + chunk - 1) / chunk;
   const int64_t blocks = rows * parts;
-  TORCH_CHECK(blocks < (int64_t(1) << 31), "ct_bn_pool: x has too many (batch, channel) rows (",
-              to_str(rows), ") for one launch");
-  SampleSumTensors sums{at::empty({x.size(0), x.size(1), parts}, x.options().dtype(at::kDouble)),
-                        at::empty({weight.size(0), weight.size(1), 1}, x.options().dtype(at::kDouble))};
-  const int64_t w_rows = weight.size(0) * weight.size(1);
-  const WeightRows w_out{w_rows, weight.size(2) * weight.size(3) * weight.size(4),
-                         (w_rows + blocks - 1) / blocks, sums.w_red.data_ptr<double>()};
-  const bool vector_ok = len % vec == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  SampleSumTensors sums;
+  WeightRows w_rows;
+  std::tie(sums, w_rows) = spatial_sum_outputs(x, weight, parts, blocks);
+  const bool vector_ok = len % vec == 0 && layout.batch % vec == 0 && layout.channel % vec == 0 &&
+                         reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sample_sums_cuda", [&] {
     auto kernel = vector_ok ? spatial_sum_kernel<scalar_t, true> : spatial_sum_kernel<scalar_t, false>;
-    kernel<<<blocks, kThreads, 0, stream>>>(x.data_ptr<scalar_t>(), len, chunk, parts,
-                                            sums.x_red.data_ptr<double>(),
-                                            weight.data_ptr<scalar_t>(), w_out);
+    kernel<<<blocks, kThreads, 0, stream>>>(x.data_ptr<scalar_t>(), layout, x.size(1), len, chunk,
+                                            parts, sums.x_red.data_ptr<double>(),
+                                            weight.data_ptr<scalar_t>(), w_rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return sums;
