@@ -902,7 +902,7 @@ int main(int argc, char** argv) {
     occ_lines.push_back(line);
     const unsigned grid = unsigned(kx * sms);
     std::string name = std::string(tag) + " x items u" + std::to_string(u) + ", " + std::to_string(kx) +
-                       "/SM; fin w before wait";
+                       "/SM; fin " + std::to_string(ft) + " thr, w before wait";
     Variant v{name, std::to_string(parts) + " items/row", xbytes + wbytes, true, nullptr};
     v.call = [=, &params](int i) {
       const Params a = params(i, parts);
