@@ -3,7 +3,7 @@
 # build against the machine's torch, run the CUDA tests, compute-sanitizer and
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
-#                        [backward] [memory-format]
+#                        [backward] [memory-format] [eval-variants]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +74,20 @@ if want memory-format; then
   # compare with the contiguous rows of `bench` or `bench-full`.
   (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,c16,s8 --no-compile \
     --memory-format channels_last_3d --out "$OUT") 2>&1 | tee "$OUT/bench-channels-last.log" | tail -20 || status=1
+fi
+if want eval-variants; then
+  step eval-variants
+  # Standalone eval-mode microbenchmark (no torch): variants of the x pass and the finalize,
+  # timed in one run on the same data against a D2D copy and pure-read kernels; exits
+  # non-zero if a variant's output is off the float64 host reference.
+  NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+  if "$NVCC" -O3 -std=c++17 -arch=sm_90 "$REPO/scripts/eval_variants.cu" -o /tmp/eval_variants \
+    >"$OUT/eval-variants-build.log" 2>&1; then
+    /tmp/eval_variants 2>&1 | tee "$OUT/eval-variants.log" || status=1
+  else
+    tail -30 "$OUT/eval-variants-build.log"
+    status=1
+  fi
 fi
 if want backward; then
   step backward
