@@ -51,3 +51,50 @@ def test_train_replay_updates_running_stats_every_time(algo):
         assert relerr(fused.batch_norm.running_var, ref.batch_norm.running_var) <= 1e-6
         assert relerr(fused.batch_norm.running_mean, ref.batch_norm.running_mean) <= 1e-6
     assert int(fused.batch_norm.num_batches_tracked) == int(ref.batch_norm.num_batches_tracked) == 4
+
+
+# Issue #5: every configuration family and algorithm, the module and the functional.
+# momentum=None is left out: its factor 1 / float(num_batches_tracked) is read on the host,
+# a synchronization that capture forbids (nn.BatchNorm3d(momentum=None) cannot be captured
+# either); a captured graph would also freeze the factor.
+from test_tooling_families import FAMILIES, FunctionalModel, fft_applies  # noqa: E402
+
+GRAPH_FAMILIES = [f for f in FAMILIES if FAMILIES[f].momentum is not None]
+GRAPH_MODES = [(False, "auto"), (True, "auto"), (True, "fft"), (True, "direct"),
+               (True, "sliced_conv")]
+
+
+def assert_same_state(fused, ref):
+    for key, value in ref.state_dict().items():
+        got = fused.state_dict()[key]
+        assert (relerr(got, value) <= 1e-6 if value.is_floating_point()
+                else torch.equal(got.cpu(), value)), key
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", ["module", "functional"])
+@pytest.mark.parametrize("mode", GRAPH_MODES,
+                         ids=[f"{'train' if t else 'eval'}-{a}" for t, a in GRAPH_MODES])
+@pytest.mark.parametrize("family", GRAPH_FAMILIES)
+def test_replay_every_family(family, mode, form):
+    """Each replay: the output of the new input, the running statistics and
+    num_batches_tracked updated (training) or left alone (eval), as PyTorch's modules."""
+    problem = FAMILIES[family]
+    training, algo = mode
+    if algo == "fft" and not fft_applies(problem, "cuda"):
+        pytest.skip("algo='fft' covers stride 1 without padding only")
+    ref, fused = make_models(problem, torch.float32, "cuda", algo=algo)
+    ref.train(training)
+    fused.train(training)
+    model = fused if form == "module" else FunctionalModel(fused).train(training)
+    static_x = make_input(problem, torch.float32, "cuda")
+    ref(static_x.double().cpu())  # the reference takes the warm-up step too
+    graph, static_out = capture(model, static_x)
+    assert_same_state(fused, ref)  # capture itself runs nothing
+    for _ in range(3):
+        static_x.copy_(make_input(problem, torch.float32, "cuda"))
+        graph.replay()
+        assert relerr(static_out, ref(static_x.double().cpu())) <= 1e-6
+        assert_same_state(fused, ref)
+    if training and problem.bn_kwargs.get("track_running_stats", True):
+        assert int(fused.batch_norm.num_batches_tracked) == 4
