@@ -115,6 +115,19 @@ at::Tensor ct_bn_pool_kernel(const at::Tensor& x, const at::Tensor& weight,
 }
 
 template <const Backend& backend>
+at::Tensor ct_bn_pool_no_stats_kernel(const at::Tensor& x, const at::Tensor& weight,
+                                      const c10::optional<at::Tensor>& bias, double scale,
+                                      const c10::optional<at::Tensor>& bn_weight,
+                                      const c10::optional<at::Tensor>& bn_bias, double eps,
+                                      at::IntArrayRef stride, at::IntArrayRef padding,
+                                      at::IntArrayRef output_padding, at::IntArrayRef dilation,
+                                      int64_t groups, c10::string_view algo) {
+  return ct_bn_pool_forward(backend, x, weight, bias, scale, bn_weight, bn_bias, {}, {},
+                            /*training=*/true, /*momentum=*/0.0, eps, stride, padding,
+                            output_padding, dilation, groups, algo);
+}
+
+template <const Backend& backend>
 std::tuple<at::Tensor, at::Tensor> ct_bn_pool_stats_kernel(
     const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
     at::IntArrayRef output_padding, at::IntArrayRef dilation, int64_t groups,

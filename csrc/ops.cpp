@@ -32,6 +32,14 @@ TORCH_LIBRARY(fused_ops, m) {
       "Tensor? bn_bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, bool training, "
       "float momentum=0.1, float eps=1e-05, *, int[3] stride=1, int[3] padding=0, "
       "int[3] output_padding=0, int[3] dilation=1, int groups=1, str algo=\"auto\") -> Tensor");
+  // Batch statistics and no running statistics (BatchNorm's track_running_stats=False),
+  // as aten's _native_batch_norm_legit.no_stats: an overload that mutates nothing, so
+  // that torch.compile does not functionalize a call that has no mutated tensor (inductor,
+  // torch 2.14, fails on such a call of the default overload).
+  m.def(
+      "ct_bn_pool.no_stats(Tensor x, Tensor weight, Tensor? bias, float scale, Tensor? bn_weight, "
+      "Tensor? bn_bias, float eps=1e-05, *, int[3] stride=1, int[3] padding=0, "
+      "int[3] output_padding=0, int[3] dilation=1, int groups=1, str algo=\"auto\") -> Tensor");
   // The two halves of ct_bn_pool's training mode, for statistics merged across
   // processes in between (fused_ops/distributed.py, docs/math.md §4.1).
   m.def(

@@ -39,7 +39,6 @@ from torch import Tensor
 
 from .distributed import out_size
 
-_OP = torch.ops.fused_ops.ct_bn_pool.default
 _LIB = torch.library.Library("fused_ops", "IMPL")  # kept alive: registrations live as long as it
 # Positions in ct_bn_pool's schema (csrc/ops.cpp) of the arguments read here.
 _RUNNING_MEAN, _RUNNING_VAR = 6, 7
@@ -53,17 +52,34 @@ def _schema_arguments(x, weight, bias, scale, bn_weight, bn_bias, running_mean, 
     return dict(locals())
 
 
-def _redispatch_below_autograd(keyset, args, kwargs):
+def _no_stats_arguments(x, weight, bias, scale, bn_weight, bn_bias, eps=1e-5, *,
+                        stride=(1, 1, 1), padding=(0, 0, 0), output_padding=(0, 0, 0),
+                        dilation=(1, 1, 1), groups=1, algo="auto"):
+    """A ``ct_bn_pool.no_stats`` call's arguments by name, with the default overload's
+    values for what it leaves out (batch statistics, no running statistics)."""
+    return dict(locals(), running_mean=None, running_var=None, training=True, momentum=0.0)
+
+
+# Each overload of ct_bn_pool (csrc/ops.cpp) and the function naming its arguments.
+_OVERLOADS = {
+    "default": (torch.ops.fused_ops.ct_bn_pool.default, _schema_arguments),
+    "no_stats": (torch.ops.fused_ops.ct_bn_pool.no_stats, _no_stats_arguments),
+}
+
+
+def _redispatch_below_autograd(overload, keyset, args, kwargs):
+    op = _OVERLOADS[overload][0]
     with torch._C._AutoDispatchBelowAutograd():
-        return _OP.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
 
 class _CtBnPoolBackward(torch.autograd.Function):
     """Runs the op (below autograd) and differentiates it with docs/math.md §6."""
 
     @staticmethod
-    def forward(ctx, keyset, kwargs, *args):
-        call = _schema_arguments(*args, **kwargs)
+    def forward(ctx, keyset, overload, kwargs, *args):
+        arguments = _OVERLOADS[overload][1]
+        call = arguments(*args, **kwargs)
         training = call["training"]
         eval_stats = ()
         if not training:
@@ -76,7 +92,7 @@ class _CtBnPoolBackward(torch.autograd.Function):
             eval_stats = tuple(None if stat is None else stat.clone()  # None: the op refuses
                                for stat in (call["running_mean"], call["running_var"]))
             args = (*args[:_RUNNING_MEAN], *eval_stats, *args[_RUNNING_VAR + 1:])
-        out = _redispatch_below_autograd(keyset, args, kwargs)
+        out = _redispatch_below_autograd(overload, keyset, args, kwargs)
         # Training normalizes with batch statistics: the backward recomputes them from the
         # inputs (the running statistics have been overwritten by then).
         ctx.save_for_backward(call["x"], call["weight"], call["bias"], call["bn_weight"],
@@ -84,16 +100,17 @@ class _CtBnPoolBackward(torch.autograd.Function):
         ctx.training, ctx.scale, ctx.eps = training, call["scale"], call["eps"]
         ctx.conv = {k: call[k] for k in ("stride", "padding", "output_padding", "dilation",
                                          "groups")}
-        ctx.num_args = len(args)
+        ctx.names = arguments.__code__.co_varnames[:len(args)]  # of args, in order
         ctx.dtypes = {n: call[n].dtype for n in _DIFFERENTIABLE if call[n] is not None}
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, bn_weight, *eval_stats = ctx.saved_tensors
-        # needs_input_grad follows forward's inputs: keyset, kwargs, then the op's arguments.
-        names = _schema_arguments.__code__.co_varnames[:ctx.num_args]
-        needs = {n: ctx.needs_input_grad[2 + names.index(n)] for n in _DIFFERENTIABLE}
+        # needs_input_grad follows forward's inputs: keyset, overload, kwargs, then the op's
+        # arguments.
+        names = ctx.names
+        needs = {n: ctx.needs_input_grad[3 + names.index(n)] for n in _DIFFERENTIABLE}
         saved = dict(x=x, weight=weight, bias=bias, bn_weight=bn_weight)
         if ctx.training:
             grads = _training_grads(ctx, grad_out, needs, **saved)
@@ -102,7 +119,7 @@ class _CtBnPoolBackward(torch.autograd.Function):
                                 running_var=eval_stats[1], **saved)
         grads = {n: grad.to(ctx.dtypes[n]) for n, grad in grads.items()
                  if needs.get(n) and grad is not None}  # each in its input's dtype
-        return (None, None, *(grads.get(n) for n in names))
+        return (None, None, None, *(grads.get(n) for n in names))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -223,11 +240,23 @@ def _reject_grad_on_running_stats(args) -> None:
                                f"it cannot have requires_grad=True")
 
 
+def _requires_grad(args) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad
+                                           for a in args)
+
+
 def _ct_bn_pool_autograd(keyset, *args, **kwargs):
-    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+    if _requires_grad(args):
         _reject_grad_on_running_stats(args)
-        return _CtBnPoolBackward.apply(keyset, kwargs, *args)
-    return _redispatch_below_autograd(keyset, args, kwargs)
+        return _CtBnPoolBackward.apply(keyset, "default", kwargs, *args)
+    return _redispatch_below_autograd("default", keyset, args, kwargs)
+
+
+def _ct_bn_pool_no_stats_autograd(keyset, *args, **kwargs):
+    if _requires_grad(args):
+        return _CtBnPoolBackward.apply(keyset, "no_stats", kwargs, *args)
+    return _redispatch_below_autograd("no_stats", keyset, args, kwargs)
 
 
 _LIB.impl("ct_bn_pool", _ct_bn_pool_autograd, "Autograd", with_keyset=True)
+_LIB.impl("ct_bn_pool.no_stats", _ct_bn_pool_no_stats_autograd, "Autograd", with_keyset=True)

@@ -12,6 +12,14 @@ def _ct_bn_pool_fake(x, weight, bias, scale, bn_weight, bn_bias, running_mean, r
     return x.new_empty((x.shape[0], weight.shape[1] * groups, 1, 1, 1))
 
 
+@torch.library.register_fake("fused_ops::ct_bn_pool.no_stats")
+def _ct_bn_pool_no_stats_fake(x, weight, bias, scale, bn_weight, bn_bias, eps=1e-5, *,
+                              stride=(1, 1, 1), padding=(0, 0, 0), output_padding=(0, 0, 0),
+                              dilation=(1, 1, 1), groups=1, algo="auto"):
+    return _ct_bn_pool_fake(x, weight, bias, scale, bn_weight, bn_bias, None, None, True,
+                            eps=eps, groups=groups)
+
+
 @torch.library.register_fake("fused_ops::ct_bn_pool_stats")
 def _ct_bn_pool_stats_fake(x, weight, *, stride=(1, 1, 1), padding=(0, 0, 0),
                            output_padding=(0, 0, 0), dilation=(1, 1, 1), groups=1, algo="auto"):

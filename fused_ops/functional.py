@@ -109,6 +109,10 @@ def ct_bn_pool(
             return distributed.synced_ct_bn_pool(
                 x, weight, bias, float(scale), bn_weight, bn_bias, running_mean, running_var,
                 float(momentum), float(eps), process_group=process_group, **conv)
+    if training and running_mean is None and running_var is None:
+        # Nothing to update: the overload without running statistics (csrc/ops.cpp).
+        return torch.ops.fused_ops.ct_bn_pool.no_stats(
+            x, weight, bias, float(scale), bn_weight, bn_bias, float(eps), **conv)
     return torch.ops.fused_ops.ct_bn_pool(
         x, weight, bias, float(scale), bn_weight, bn_bias, running_mean, running_var,
         bool(training), float(momentum), float(eps), **conv)

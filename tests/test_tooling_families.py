@@ -67,17 +67,6 @@ def xfail_where_pytorch_cannot(problem, training, trace):
                      f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
 
 
-UNTRACKED_INDUCTOR_BUG = (
-    "torch.compile (inductor) of ct_bn_pool with running_mean=None and running_var=None "
-    "(track_running_stats=False) fails: InductorError 'getitem is not an OpOverload' "
-    "(aot_eager works); issue #5")
-
-
-def xfail_untracked_under_inductor(problem, request):
-    if not problem.bn_kwargs.get("track_running_stats", True):
-        request.applymarker(pytest.mark.xfail(reason=UNTRACKED_INDUCTOR_BUG, strict=True))
-
-
 def compile_and_run(module, x):
     torch._dynamo.reset()
     with torch.no_grad():
@@ -219,13 +208,12 @@ def assert_state_matches(model, ref):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", TRACE_CASES, ids=trace_id)
-def test_compile_fullgraph_every_family(case, device, request):
+def test_compile_fullgraph_every_family(case, device):
     """fullgraph=True: a graph break raises. Same outputs as PyTorch's modules, running
     statistics and num_batches_tracked updated, over three calls."""
     family, mode, form = case
     problem = FAMILIES[family]
     skip_unless_applies(problem, mode[1], device)
-    xfail_untracked_under_inductor(problem, request)
     xfail_where_pytorch_cannot(problem, mode[0] == "train", compile_and_run)
     ref, model = models(problem, form, device, mode[0] == "train", mode[1])
     torch._dynamo.reset()
@@ -240,11 +228,9 @@ def test_compile_fullgraph_every_family(case, device, request):
 @pytest.mark.parametrize("form", ["module", "functional"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("family", ["plain", "momentum_none", "untracked", "everything"])
-def test_compile_dynamic_every_size_without_recompiling(family, training, form, device,
-                                                       request):
+def test_compile_dynamic_every_size_without_recompiling(family, training, form, device):
     """dynamic=True: batch and spatial sizes change without a recompile."""
     problem = FAMILIES[family]
-    xfail_untracked_under_inductor(problem, request)
     xfail_where_pytorch_cannot(problem, training, compile_and_run)
     ref, model = models(problem, form, device, training)
     torch._dynamo.reset()

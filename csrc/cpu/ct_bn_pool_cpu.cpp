@@ -164,6 +164,7 @@ const Backend kCpuBackend = {sample_sums_cpu,      energy_direct_cpu, finalize_c
 
 TORCH_LIBRARY_IMPL(fused_ops, CPU, m) {
   m.impl("ct_bn_pool", &ct_bn_pool_kernel<kCpuBackend>);
+  m.impl("ct_bn_pool.no_stats", &ct_bn_pool_no_stats_kernel<kCpuBackend>);
   m.impl("ct_bn_pool_stats", &ct_bn_pool_stats_kernel<kCpuBackend>);
   m.impl("ct_bn_pool_apply", &ct_bn_pool_apply_kernel<kCpuBackend>);
 }

@@ -61,6 +61,7 @@ const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, f
 
 TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
   m.impl("ct_bn_pool", &ct_bn_pool_kernel<kCudaBackend>);
+  m.impl("ct_bn_pool.no_stats", &ct_bn_pool_no_stats_kernel<kCudaBackend>);
   m.impl("ct_bn_pool_stats", &ct_bn_pool_stats_kernel<kCudaBackend>);
   m.impl("ct_bn_pool_apply", &ct_bn_pool_apply_kernel<kCudaBackend>);
 }
