@@ -45,9 +45,11 @@ struct Backend {
   void (*finalize)(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
   // The algorithm "auto" picks on this device for this problem.
   EnergyAlgo (*auto_energy_algo)(const ConvGeometry& g, at::ScalarType dtype);
-  // The FFT path ([1, Co, S] energy), or null where the device has none; and
-  // whether it computes this problem (docs/math.md §3.3).
-  at::Tensor (*energy_fft)(const at::Tensor& x, const at::Tensor& weight, const ConvGeometry& g);
+  // The FFT path ([1, Co, S] energy, from x, the weight and x's sums), or null
+  // where the device has none; and whether it computes this problem
+  // (docs/math.md §3.3).
+  at::Tensor (*energy_fft)(const at::Tensor& x, const at::Tensor& weight,
+                           const SampleSumTensors& sums, const ConvGeometry& g);
   bool (*fft_applies)(const ConvGeometry& g, at::ScalarType dtype);
 };
 
