@@ -63,7 +63,7 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
       in.energy = energy_sliced_conv(x, weight, g);
       break;
     case EnergyAlgo::Fft:
-      in.energy = backend.energy_fft(x, weight, g);
+      in.energy = backend.energy_fft(x, weight, in.sums, g);
       break;
   }
 }

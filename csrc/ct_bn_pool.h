@@ -55,9 +55,11 @@ struct Backend {
   // The algorithm "auto" picks on this device for this problem; `dtype` is the
   // one the energy is computed in (compute_dtype), as for fft_applies.
   EnergyAlgo (*auto_energy_algo)(const ConvGeometry& g, at::ScalarType dtype);
-  // The FFT path ([1, Co, S] energy), or null where the device has none; and
-  // whether it computes this problem (docs/math.md §3.3).
-  at::Tensor (*energy_fft)(const at::Tensor& x, const at::Tensor& weight, const ConvGeometry& g);
+  // The FFT path ([1, Co, S] energy, from x, the weight and x's sums), or null
+  // where the device has none; and whether it computes this problem
+  // (docs/math.md §3.3).
+  at::Tensor (*energy_fft)(const at::Tensor& x, const at::Tensor& weight,
+                           const SampleSumTensors& sums, const ConvGeometry& g);
   bool (*fft_applies)(const ConvGeometry& g, at::ScalarType dtype);
 };
 

@@ -222,13 +222,14 @@ EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, cons
                       "ct_bn_pool: algo='fft' is implemented for CUDA tensors only; use 'auto', "
                       "'direct' or 'sliced_conv' on this device");
     TORCH_CHECK_VALUE(backend.fft_applies(g, dtype),
-                      "ct_bn_pool: algo='fft' needs float32, float16 or bfloat16 and stride 1, "
-                      "padding 0, output_padding 0 (a full convolution) with kernel height <= 16; "
+                      "ct_bn_pool: algo='fft' needs float32, float16 or bfloat16 and padding 0 "
+                      "(any stride, dilation and output_padding) and a kernel height per stride "
+                      "phase (kH at stride 1, else dilation (kH - 1) / stride + 1) of at most 16; "
                       "got dtype ",
-                      to_str(input_dtype), ", stride ", to_str(at::IntArrayRef(g.stride, 3)), ", padding ",
-                      to_str(at::IntArrayRef(g.padding, 3)), ", output_padding ",
-                      to_str(at::IntArrayRef(g.output_padding, 3)), ", kernel ",
-                      to_str(at::IntArrayRef(g.kernel, 3)), " (use 'auto')");
+                      to_str(input_dtype), ", padding ", to_str(at::IntArrayRef(g.padding, 3)),
+                      ", kernel ", to_str(at::IntArrayRef(g.kernel, 3)), ", stride ",
+                      to_str(at::IntArrayRef(g.stride, 3)), ", dilation ",
+                      to_str(at::IntArrayRef(g.dilation, 3)), " (use 'auto')");
     return EnergyAlgo::Fft;
   }
   TORCH_CHECK_VALUE(false,

@@ -68,11 +68,11 @@ def ct_bn_pool(
         algo: how training mode gets the per-channel variance (``docs/math.md`` §3):
             ``"auto"`` (default: ``"fft"`` where it applies, else ``"sliced_conv"``;
             ``docs/performance.md`` says why), ``"fft"`` (CUDA, float32, float16 or bfloat16,
-            stride 1, padding 0, output_padding 0: Parseval on the spectra of x and the
-            weight, in float32, never forming the conv output), ``"direct"`` (our kernel,
-            computes the conv output in registers and never stores it) or ``"sliced_conv"``
-            (ATen's convolution, TF32 off, over slices of the batch of at most 64 MiB of
-            output). A forced ``"fft"`` where it does not
+            padding 0, any stride, dilation and output_padding: Parseval on the spectra of x
+            and the weight, in float32, never forming the conv output), ``"direct"`` (our
+            kernel, computes the conv output in registers and never stores it) or
+            ``"sliced_conv"`` (ATen's convolution, TF32 off, over slices of the batch of at
+            most 64 MiB of output). A forced ``"fft"`` where it does not
             apply raises ValueError.
             Eval mode needs no convolution and ignores it.
         process_group: a ``torch.distributed`` ProcessGroup, or None (the default: this

@@ -1,7 +1,12 @@
 """The FFT/Parseval training path (docs/math.md §3.3): forced on the problems it covers,
-refused with a clear error on the ones it does not, and what "auto" picks."""
+refused with a clear error on the ones it does not, and what "auto" picks; and the
+polyphase algebra for strides and output padding (§3.3.1), checked on the CPU too."""
+import itertools
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import Problem, make_input, make_models, random_problems, relerr
 
@@ -21,9 +26,36 @@ FFT_PROBLEMS = [
     Problem(4, 64, 128, (6, 10, 12), (5, 5, 5)),  # the seed problem's channels
 ] + [p for p in random_problems(8, seed=5) if p.batch > 1 or p.size != (1, 1, 1)]
 
+# Strides and output padding: the polyphase split (docs/math.md §3.3.1).
+STRIDED_FFT_PROBLEMS = [
+    Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(stride=2)),
+    Problem(3, 5, 7, (4, 3, 5), (3, 2, 4), conv_kwargs=dict(stride=(2, 1, 3))),
+    Problem(2, 4, 6, (3, 4, 5), (3, 2, 3), conv_kwargs=dict(stride=2, dilation=3)),
+    Problem(2, 4, 6, (3, 4, 5), (2, 3, 2), conv_kwargs=dict(stride=(3, 2, 2), dilation=(2, 4, 1))),
+    Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(stride=2, output_padding=1)),
+    # stride 1 with output padding: one phase, the padded positions outside the grid
+    Problem(2, 4, 6, (3, 4, 5), (2, 3, 2), conv_kwargs=dict(dilation=2, output_padding=1)),
+    # output_padding 2 >= stride 2 (< dilation 3): real outputs beyond every phase's grid
+    Problem(2, 3, 5, (3, 4, 5), (1, 2, 2), conv_kwargs=dict(stride=2, dilation=3,
+                                                             output_padding=(2, 1, 0))),
+    Problem(2, 6, 9, (3, 4, 5), (3, 3, 2), conv_kwargs=dict(stride=2, groups=3)),
+    Problem(2, 12, 66, (3, 4, 6), (2, 3, 2),
+            conv_kwargs=dict(stride=(1, 2, 2), groups=2, bias=False)),
+    Problem(3, 4, 5, (3, 4, 5), (1, 1, 1), conv_kwargs=dict(stride=2)),  # k < s: 7 phases empty
+    Problem(2, 4, 6, (3, 4, 5), (1, 2, 3), conv_kwargs=dict(stride=3, output_padding=2)),
+    Problem(2, 4, 6, (3, 4, 5), (4, 4, 2), conv_kwargs=dict(stride=2)),  # k divisible by s
+    Problem(19, 11, 70, (5, 7, 6), (3, 2, 4), scale=-0.75,
+            conv_kwargs=dict(stride=2, dilation=(1, 2, 1))),  # two passes over b
+    Problem(2, 5, 9, (30, 3, 4), (3, 2, 2), conv_kwargs=dict(stride=(2, 1, 1))),  # Ld = 31
+    Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(stride=2),
+            bn_kwargs=dict(affine=False)),
+    Problem(4, 64, 128, (6, 10, 12), (5, 5, 5), conv_kwargs=dict(stride=2)),
+] + [p for p in random_problems(6, seed=7, conv_kwargs=dict(stride=(2, 3, 1),
+                                                             output_padding=(1, 0, 0)))]
+
 
 @cuda
-@pytest.mark.parametrize("problem", FFT_PROBLEMS, ids=Problem.ids)
+@pytest.mark.parametrize("problem", FFT_PROBLEMS + STRIDED_FFT_PROBLEMS, ids=Problem.ids)
 def test_fft_matches_reference_over_steps(problem):
     ref, fused = make_models(problem, torch.float32, "cuda", algo="fft")
     ref.train()
@@ -39,9 +71,15 @@ def test_fft_matches_reference_over_steps(problem):
 
 
 @cuda
-def test_fft_survives_a_large_offset():
-    """The DC bin is left out, not subtracted: a big common offset must not cancel."""
-    p = Problem(4, 6, 10, (5, 6, 7), (3, 3, 3))
+@pytest.mark.parametrize("conv_kwargs", [dict(), dict(stride=2), dict(stride=2, kernel_size=2),
+                                         dict(stride=(2, 1, 3), output_padding=(1, 0, 2))],
+                         ids=str)
+def test_fft_survives_a_large_offset(conv_kwargs):
+    """The DC bin is left out, not subtracted: a big common offset must not cancel. With a
+    stride the phases' zero grid positions and their sums' terms (§3.3.1) must not either."""
+    conv_kwargs = dict(conv_kwargs)
+    kernel = conv_kwargs.pop("kernel_size", 3)
+    p = Problem(4, 6, 10, (5, 6, 7), (kernel,) * 3, conv_kwargs=conv_kwargs)
     ref, fused = make_models(p, torch.float32, "cuda", algo="fft")
     x = make_input(p, torch.float32, "cuda") + 50.0
     with torch.no_grad():
@@ -49,14 +87,29 @@ def test_fft_survives_a_large_offset():
 
 
 @cuda
-@pytest.mark.parametrize("conv_kwargs", [dict(stride=2), dict(padding=1),
-                                         dict(dilation=2, output_padding=1)], ids=str)
+def test_fft_has_no_host_sync_with_a_stride():
+    p = Problem(3, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(stride=(2, 1, 3)))
+    _, fused = make_models(p, torch.float32, "cuda", algo="fft")
+    x = make_input(p, torch.float32, "cuda")
+    with torch.no_grad():
+        fused(x)  # warm-up: cuFFT plans, allocator
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fused(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@cuda
+@pytest.mark.parametrize("conv_kwargs", [dict(padding=1), dict(stride=2, padding=(0, 1, 0)),
+                                         dict(dilation=2, output_padding=1, padding=1)], ids=str)
 def test_fft_refuses_what_it_does_not_compute(conv_kwargs):
     p = Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=conv_kwargs)
     _, fused = make_models(p, torch.float32, "cuda", algo="fft")
     before = fused.batch_norm.running_var.clone()
     with pytest.raises(ValueError,
-                       match="algo='fft' needs float32, float16 or bfloat16 and stride 1"):
+                       match="algo='fft' needs float32, float16 or bfloat16 and padding 0"):
         fused(make_input(p, torch.float32, "cuda"))
     assert torch.equal(fused.batch_norm.running_var, before)
     assert int(fused.batch_norm.num_batches_tracked) == 0
@@ -75,3 +128,75 @@ def test_fft_is_cuda_only():
     _, fused = make_models(p, torch.float32, "cpu", algo="fft")
     with pytest.raises(ValueError, match="CUDA tensors only"):
         fused(make_input(p, torch.float32, "cpu"))
+
+
+# The polyphase algebra of §3.3.1 in float64 with torch.fft, on the CPU: what the CUDA path
+# computes (phases' energies without their DC bins, plus the double-precision terms of the
+# phases' sums), written independently of it.
+
+def tap_phases(k, s, d):
+    """Per tap t of one dim: its phase (d t) mod s and sub-kernel position (d t) div s."""
+    return [(d * t % s, d * t // s) for t in range(k)], d * (k - 1) // s + 1
+
+
+def polyphase_energy(x, w, stride, dilation, output_padding, groups, phase_sums=True):
+    """[Co]: sum over b of the within-sample centred energy of conv_transpose3d(x, w)."""
+    batch, ci, *n = x.shape
+    cog, k = w.shape[1], w.shape[2:]
+    dims = [tap_phases(k[i], stride[i], dilation[i]) for i in range(3)]
+    grid = [n[i] + dims[i][1] - 1 for i in range(3)]
+    real = math.prod((n[i] - 1) * stride[i] + dilation[i] * (k[i] - 1) + output_padding[i] + 1
+                     for i in range(3))
+    cig = ci // groups
+    x_spec = torch.fft.fftn(x, s=grid, dim=(2, 3, 4)).reshape(batch, groups, cig, -1)
+    x_sums = x.sum((2, 3, 4)).reshape(batch, groups, cig)
+    energy = torch.zeros(groups, cog, dtype=x.dtype)
+    squares, total = torch.zeros_like(energy), torch.zeros(batch, groups, cog, dtype=x.dtype)
+    for phase in itertools.product(*(range(s) for s in stride)):
+        sub = torch.zeros(ci, cog, *(d[1] for d in dims), dtype=x.dtype)
+        for taps in itertools.product(*(range(kk) for kk in k)):
+            (rd, md), (rh, mh), (rw, mw) = (dims[i][0][taps[i]] for i in range(3))
+            if (rd, rh, rw) == phase:
+                sub[:, :, md, mh, mw] = w[:, :, taps[0], taps[1], taps[2]]
+        w_spec = torch.fft.fftn(sub, s=grid, dim=(2, 3, 4)).reshape(groups, cig, cog, -1)
+        power = torch.einsum("bgif,giof->bgof", x_spec, w_spec).abs().square()
+        energy += power[..., 1:].sum((0, 3)) / math.prod(grid)  # the DC bin left out
+        sums = torch.einsum("bgi,gio->bgo", x_sums, sub.sum((2, 3, 4)).reshape(groups, cig, cog))
+        if phase_sums:
+            squares += sums.square().sum(0) / math.prod(grid)
+        total += sums
+    return (energy + squares - total.square().sum(0) / real).reshape(-1)
+
+
+def conv_energy(x, w, stride, dilation, output_padding, groups):
+    y = F.conv_transpose3d(x, w, stride=stride, output_padding=output_padding, groups=groups,
+                           dilation=dilation)
+    return (y - y.mean((2, 3, 4), keepdim=True)).square().sum((0, 2, 3, 4))
+
+
+POLYPHASE_CASES = [  # (kernel, stride, dilation, output_padding, groups)
+    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (0, 0, 0), 1),
+    ((3, 2, 4), (2, 1, 3), (1, 1, 1), (0, 0, 0), 1),
+    ((3, 2, 3), (2, 2, 2), (3, 3, 3), (0, 0, 0), 1),
+    ((3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 1, 1), 1),
+    ((2, 3, 2), (1, 1, 1), (2, 2, 2), (1, 1, 1), 1),  # stride 1, output padding
+    ((1, 2, 2), (2, 2, 2), (3, 3, 3), (2, 1, 0), 1),  # output padding past every grid
+    ((3, 3, 2), (2, 2, 2), (1, 1, 1), (0, 0, 0), 3),
+    ((1, 1, 1), (2, 2, 2), (1, 1, 1), (0, 0, 0), 1),  # k < s: empty phases
+    ((1, 2, 3), (3, 3, 3), (1, 1, 1), (2, 2, 2), 1),
+    ((4, 4, 2), (2, 2, 2), (1, 1, 1), (0, 0, 0), 1),  # k divisible by s
+    ((2, 3, 2), (3, 2, 2), (2, 4, 1), (1, 0, 0), 2),
+]
+
+
+@pytest.mark.parametrize("case", POLYPHASE_CASES, ids=str)
+def test_polyphase_parseval_algebra(case):
+    kernel, stride, dilation, output_padding, groups = case
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 6, 3, 4, 5, generator=gen, dtype=torch.float64) + 2.0
+    w = torch.randn(6, 2, *kernel, generator=gen, dtype=torch.float64)
+    args = (x, w, stride, dilation, output_padding, groups)
+    want = conv_energy(*args)
+    assert relerr(polyphase_energy(*args), want) <= 1e-12
+    # The phases' sums are needed: without their terms the answer is wrong.
+    assert relerr(polyphase_energy(*args, phase_sums=False), want) >= 1e-3

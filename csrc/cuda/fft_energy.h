@@ -5,21 +5,26 @@
 // storing either product (spectral_energy.cu).
 #include <ATen/ATen.h>
 
+#include "ct_bn_pool.h"
 #include "geometry.h"
 
 namespace fused_ops {
 
-// Whether the FFT path computes this problem: a full linear convolution
-// (stride 1, padding 0, output_padding 0), a kernel height of at most
-// kMaxFftKernel, and tiles that fit the kernels' shared memory.
+// Whether the FFT path computes this problem: padding 0 (any stride, dilation
+// and output_padding: docs/math.md §3.3.1), a phase sub-kernel height of at
+// most kMaxFftKernel, and tiles that fit the kernels' shared memory.
 constexpr int64_t kMaxFftKernel = 16;
 bool fft_energy_applies(const ConvGeometry& g);
 
-// [1, Co, Lh * Lwf] double: per (fh, fw) frequency pair, the within-sample
-// centred sums of squares of the conv output, summed over the batch.
-at::Tensor energy_fft_cuda(const at::Tensor& x, const at::Tensor& weight, const ConvGeometry& g);
+// The within-sample centred sums of squares of the conv output, summed over the
+// batch: [1, Co, Lh * Lwf] double (per (fh, fw) frequency pair) for a full
+// convolution (stride 1, no output_padding), else [1, Co, 1]. `sums`: the
+// padding-0 sample sums of x (x_red) that the phases' sums are contracted from.
+at::Tensor energy_fft_cuda(const at::Tensor& x, const at::Tensor& weight,
+                           const SampleSumTensors& sums, const ConvGeometry& g);
 
-// Sizes of the spectra: L the FFT (= output) size, Lwf = Lw / 2 + 1 bins kept of the last axis.
+// Sizes of the spectra: L the FFT size (the full convolution's output; the
+// phases' common grid, docs/math.md §3.3.1), Lwf = Lw / 2 + 1 bins kept of the last axis.
 struct SpectrumGeometry {
   int64_t L[3], Lwf;
   int64_t pairs() const { return L[1] * Lwf; }
