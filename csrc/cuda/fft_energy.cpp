@@ -135,7 +135,7 @@ at::Tensor phase_sum_correction(const at::Tensor& weight, const SampleSumTensors
                            .reshape({g.batch, g.out_channels, phases});  // [B, Co, P]
   const double grid = static_cast<double>(sub.out_spatial());
   const double real = static_cast<double>(g.out_spatial());
-  return s.square().sum({0, 2}).div_(grid).sub_(s.sum(2).square_().sum(0).div_(real));
+  return s.square().sum(at::IntArrayRef{0, 2}).div_(grid).sub_(s.sum(2).square_().sum(0).div_(real));
 }
 
 // The phases' energies summed, plus the correction: [1, Co, 1] (§3.3.1).
