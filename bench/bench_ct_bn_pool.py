@@ -39,7 +39,10 @@ CUDA_PROBLEMS = {
     "s32": (8, 64, 128, 32, 32, 32, 5),
     "k3": (16, 64, 128, 16, 32, 32, 3),
     "odd": (3, 5, 7, 9, 11, 13, (2, 3, 4)),
+    "st2": (8, 32, 64, 16, 16, 16, 4),
 }
+# ConvTranspose3d stride of the problems that have one (else 1): the FFT path's phases.
+STRIDES = {"st2": 2}
 CPU_PROBLEMS = {
     "cpu_small": (4, 16, 32, 8, 16, 16, 3),
     "cpu_mid": (8, 32, 64, 8, 16, 16, 5),
@@ -64,9 +67,10 @@ COPY_REPS = 20
 class Reference(nn.Module):
     """The unfused pattern that fused_ops.ConvTransposeBNPool3d replaces."""
 
-    def __init__(self, in_channels, out_channels, kernel_size, scale_factor, eps=1e-5, momentum=0.1):
+    def __init__(self, in_channels, out_channels, kernel_size, scale_factor, eps=1e-5, momentum=0.1,
+                 stride=1):
         super().__init__()
-        self.conv_transpose = nn.ConvTranspose3d(in_channels, out_channels, kernel_size)
+        self.conv_transpose = nn.ConvTranspose3d(in_channels, out_channels, kernel_size, stride)
         self.scale_factor = scale_factor
         self.batch_norm = nn.BatchNorm3d(out_channels, eps=eps, momentum=momentum)
         self.global_avg_pool = nn.AdaptiveAvgPool3d((1, 1, 1))
@@ -235,17 +239,17 @@ def one_call(module: nn.Module, x: torch.Tensor, dtype=None):
     return module(x), module.batch_norm.running_var.clone()
 
 
-def build_modules(dims, device):
+def build_modules(dims, device, stride=1):
     """The reference (default init) and the fused module loaded with its state_dict."""
     _, ci, co, _, _, _, k = dims
-    ref = Reference(ci, co, k, SCALE).to(device)
+    ref = Reference(ci, co, k, SCALE, stride=stride).to(device)
     bn = ref.batch_norm
     # Non-trivial BatchNorm state, so eval mode does not just see mean 0 / var 1. The bias
     # stays 0: a constant added exactly to every output would dilute the relative error.
     bn.weight.data.uniform_(0.5, 1.5)
     bn.running_mean.normal_(0.0, 0.1)
     bn.running_var.uniform_(0.5, 1.5)
-    fused = fused_ops.ConvTransposeBNPool3d(ci, co, k, SCALE).to(device)
+    fused = fused_ops.ConvTransposeBNPool3d(ci, co, k, SCALE, stride=stride).to(device)
     fused.load_state_dict(ref.state_dict())
     return ref, fused
 
@@ -304,7 +308,8 @@ ROW_KEYS = ("eager_ms", "compile_ms", "fused_ms", "speedup", "host_us", "relerr_
 
 
 def new_row(name, dims, mode, algo, meta) -> dict:
-    row = {"shape": name, "dims": dict(zip(DIM_NAMES, dims)), "scale": SCALE, "dtype": "float32",
+    row = {"shape": name, "dims": dict(zip(DIM_NAMES, dims), stride=STRIDES.get(name, 1)),
+           "scale": SCALE, "dtype": "float32",
            "mode": mode, "algo": algo}
     row.update(dict.fromkeys(ROW_KEYS))
     row.update(meta)
@@ -324,7 +329,7 @@ class Setup(NamedTuple):
 def setup_problem(name, dims, args) -> Setup:
     batch, ci, _, d, h, w, _ = dims
     shape = (batch, ci, d, h, w)
-    ref, fused = build_modules(dims, args.device)
+    ref, fused = build_modules(dims, args.device, STRIDES.get(name, 1))
     l2_bytes = 0
     if args.device == "cuda":
         l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_FALLBACK_BYTES

@@ -22,6 +22,14 @@ for training in (False, True):
 for conv in ({}, {"groups": 2, "dilation": (2, 1, 1)}):
     run(19, 6, 38, (5, 4, 7), (3, 2, 3), True, "fft", **conv)  # two b passes, edge tiles
 run(2, 3, 5, (30, 2, 3), 2, True, "fft")  # two fd passes
+# Phases of a strided problem (docs/math.md §3.3.1): empty phases (k < s), dilation,
+# output_padding, groups; and the overload without running statistics.
+run(3, 4, 6, (3, 4, 5), 1, True, "fft", stride=2)
+run(2, 6, 9, (4, 3, 5), (3, 2, 4), True, "fft", stride=(2, 1, 3), dilation=(1, 2, 1),
+    output_padding=(1, 0, 2), groups=3)
+m = fused_ops.ConvTransposeBNPool3d(4, 6, 3, 2.0, stride=2, track_running_stats=False).cuda()
+with torch.no_grad():
+    assert torch.isfinite(m(torch.randn(2, 4, 3, 4, 5, device="cuda"))).all()
 for name in ("ct_bn_pool_stats", "ct_bn_pool_apply"):
     assert hasattr(torch.ops.fused_ops, name)
 x, w = torch.randn(3, 4, 3, 4, 5, device="cuda"), torch.randn(4, 6, 2, 2, 2, device="cuda")
