@@ -82,7 +82,7 @@ def test_replay_every_family(family, mode, form):
     problem = FAMILIES[family]
     training, algo = mode
     if algo == "fft" and not fft_applies(problem, "cuda"):
-        pytest.skip("algo='fft' covers stride 1 without padding only")
+        pytest.skip("algo='fft' covers padding 0 only")
     ref, fused = make_models(problem, torch.float32, "cuda", algo=algo)
     ref.train(training)
     fused.train(training)
