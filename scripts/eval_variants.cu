@@ -184,7 +184,9 @@ using BlockReduceD = cub::BlockReduce<double, T>;
 // u8 one ~4, loading the last vector first when told that the others depend on it);
 // kForce makes every vector's x, y, z depend on all U vectors (XOR with the AND of their w
 // components and a runtime zero), so all U loads are in flight before any is used.
-template <int U, bool kForce = false>
+// kGuard false: n4 is a multiple of T * U (every load in range), no bounds checks (fewer
+// registers: the extension's x pass, csrc/cuda/spatial_sum_x.cu, checks only a remainder).
+template <int U, bool kForce = false, bool kGuard = true>
 __device__ __forceinline__ double thread_partial(const float4* __restrict__ p, int64_t n4,
                                                  unsigned zero = 0) {
   double acc = 0;
@@ -193,7 +195,7 @@ __device__ __forceinline__ double thread_partial(const float4* __restrict__ p, i
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t k = i + int64_t(u) * T;
-      v[u] = k < n4 ? __ldg(p + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[u] = !kGuard || k < n4 ? __ldg(p + k) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     if (kForce) {
       unsigned dep = zero;
@@ -251,12 +253,12 @@ __device__ __forceinline__ void trace_f_end(const Params& a) {
 }
 
 // Round-robin items of the x pass: item it = part (it % J) of row (it / J), n4 float4s.
-template <int U>
+template <int U, bool kGuard = true>
 __device__ __forceinline__ void x_items_loop(const Params& a, BlockReduceD::TempStorage& tmp) {
   const int64_t n4 = LEN / 4 / a.parts, items = ROWS * a.parts;
   const float4* x4 = reinterpret_cast<const float4*>(a.x);
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const double t = BlockReduceD(tmp).Sum(thread_partial<U, true>(x4 + it * n4, n4, a.zero));
+    const double t = BlockReduceD(tmp).Sum(thread_partial<U, true, kGuard>(x4 + it * n4, n4, a.zero));
     if (threadIdx.x == 0) a.xs[it] = t;
     __syncthreads();  // tmp is reused
   }
@@ -311,12 +313,12 @@ __global__ void __launch_bounds__(T) finalize_kernel(const Params a) {
 // V2: x pass over round-robin items with a grid that leaves room on every SM for one
 // finalize block; PDL trigger first thing. MAXREG caps the registers (at most T threads
 // per block) so that the host can size the grid to leave that room.
-template <int U, int MAXREG>
+template <int U, int MAXREG, bool kGuard = true>
 __global__ void __maxnreg__(MAXREG) x_items_kernel(const Params a) {
   pdl_launch_dependents();
   trace_x(a, 0);
   __shared__ BlockReduceD::TempStorage tmp;
-  x_items_loop<U>(a, tmp);
+  x_items_loop<U, kGuard>(a, tmp);
   if (a.trace) trace_x(a, 1);  // x_items_loop ends with __syncthreads
 }
 
@@ -1119,8 +1121,9 @@ int main(int argc, char** argv) {
              "%u blocks): %d regs, %d B smem, occupancy %d; co-resident with %d x blocks: %s",
              u, xi.regs, xi.occ, kx, sms, grid, ft, nch, fgrid, fi.regs, fi.smem, fi.occ, kx, fits ? "yes" : "no");
     occ_lines.push_back(line);
-    std::string name = "V5 x items u" + std::to_string(u) + ", " + std::to_string(kx) + "/SM; fin " +
-                       std::to_string(ft) + " thr " + std::to_string(nch) + " ch, 1-round tail";
+    std::string name = "V5 x u" + std::to_string(u) + " " + std::to_string(xi.regs) + "r " + std::to_string(kx) +
+                       "/SM; fin " + std::to_string(ft) + " thr " + std::to_string(nch) + " ch " +
+                       std::to_string(fi.regs) + "r";
     Variant v{name, std::to_string(parts) + " items/row", xbytes + wbytes, true, nullptr};
     v.call = [=, &params](int i) {
       const Params a = params(i, parts);
@@ -1146,6 +1149,10 @@ int main(int argc, char** argv) {
   add_v5(x_items_kernel<8, 56>, finalize_v5_kernel<128, 1, 2, 8>, 128, 1, 2, 8);
   add_v5(x_items_kernel<4, 32>, finalize_v5_kernel<256, 1, 4, 8>, 256, 1, 4, 4);
   add_v5(x_items_kernel<4, 32>, finalize_v5_kernel<256, 2, 4, 8>, 256, 2, 4, 4);
+  // The extension's split (csrc/cuda/spatial_sum_x.cu, eval_finalize.cu): x at 48, the
+  // finalize at 64 (MINB 4).
+  // The items are exactly one round of loads here (parts = LEN / 4 / (T * u)), so unguarded.
+  add_v5(x_items_kernel<8, 48, false>, finalize_v5_kernel<256, 1, 2, 4>, 256, 1, 2, 8);
 
   // ---- V3: cooperative, one launch
   auto add_v3 = [&](auto kernel, int u) {
