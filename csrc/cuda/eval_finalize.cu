@@ -41,21 +41,48 @@ __device__ __forceinline__ double warp_sum(double v) {  // butterfly: every lane
 }
 
 // wterm[ci * J + j] = sum of weight[group's ci, c's index in its group, :] (the taps
-// are contiguous) for every part j, one warp per row, for the Cig input channels of
-// channel c's group: term k of the contraction is x_red[.., k] * wterm[k].
+// are contiguous) for every part j, for the Cig input channels of channel c's group:
+// term k of the contraction is x_red[.., k] * wterm[k]. A warp takes kRows rows at a
+// time, and each lane issues all its kRows * kLoads predicated loads of a round before
+// it adds any: a loop bounded by the runtime tap count left the lanes past the last
+// whole round in a remainder loop, one load at a time, and the weight read (4 MB on the
+// seed problem) outlasted the x pass (18.9 us alone under ncu, 2026-11-30).
+constexpr int kRows = 2;
+constexpr int kLoads = 4;  // per lane and row in a round: 128 taps (k <= 5) in one round
+
 template <typename weight_t>
 __device__ void weight_column(const weight_t* __restrict__ w, const SampleSums& s, int64_t c,
                               int64_t taps, double* __restrict__ wterm) {
   const int64_t group = c / s.out_group_channels, co_g = c % s.out_group_channels;
+  const int64_t row_stride = s.out_group_channels * taps;  // from input channel ci to ci + 1
+  const weight_t* rows = w + (group * s.in_group_channels * s.out_group_channels + co_g) * taps;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t ci = warp; ci < s.in_group_channels; ci += kWarps) {
-    const weight_t* row =
-        w + ((group * s.in_group_channels + ci) * s.out_group_channels + co_g) * taps;
-    double acc = 0;
-#pragma unroll 4
-    for (int64_t k = lane; k < taps; k += 32) acc += static_cast<double>(row[k]);
-    acc = warp_sum(acc);
-    for (int64_t j = lane; j < s.parts; j += 32) wterm[ci * s.parts + j] = acc;
+  for (int64_t ci0 = warp; ci0 < s.in_group_channels; ci0 += kWarps * kRows) {
+    double acc[kRows] = {};
+    for (int64_t k0 = 0; k0 < taps; k0 += 32 * kLoads) {
+      weight_t v[kRows][kLoads];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t ci = ci0 + r * kWarps;
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int64_t k = k0 + lane + 32 * u;
+          v[r][u] = ci < s.in_group_channels && k < taps ? rows[ci * row_stride + k] : weight_t(0);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) acc[r] += static_cast<double>(v[r][u]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t ci = ci0 + r * kWarps;  // uniform across the warp, as warp_sum needs
+      if (ci >= s.in_group_channels) break;
+      const double sum = warp_sum(acc[r]);
+      for (int64_t j = lane; j < s.parts; j += 32) wterm[ci * s.parts + j] = sum;
+    }
   }
 }
 
