@@ -81,6 +81,22 @@ FO_HD ChannelNorm eval_channel_norm(const FinalizeArgs<scalar_t>& a, int64_t c) 
                       static_cast<double>(a.running_var[c]));
 }
 
+// Eval mode's map of channel c folded into out = sample_sum * alpha + delta, so that
+// all of it is known before the sums are (the CUDA eval finalize computes it while x
+// is still being read): alpha = scale / spatial * inv_std * gamma, delta = beta -
+// shift * inv_std * gamma. write_pooled's arithmetic regrouped (docs/math.md §4); only
+// the double rounding differs.
+struct EvalAffine {
+  double alpha, delta;
+};
+
+template <typename scalar_t>
+FO_HD EvalAffine eval_affine(const FinalizeArgs<scalar_t>& a, int64_t c) {
+  const ChannelNorm n = eval_channel_norm(a, c);
+  const double k = n.inv_std * n.gamma;
+  return {a.scale / static_cast<double>(a.spatial) * k, n.beta - n.shift * k};
+}
+
 template <typename scalar_t>
 FO_HD void write_pooled(const FinalizeArgs<scalar_t>& a, const ChannelNorm& n, int64_t b, int64_t c,
                         double sample_sum) {

@@ -11,9 +11,9 @@ namespace fused_ops {
 SampleSums SampleSumTensors::view(const ConvGeometry& g) const {
   SampleSums s;
   s.x_red = x_red.data_ptr<double>();
-  s.w_red = w_red.data_ptr<double>();
+  s.w_red = w_red.defined() ? w_red.data_ptr<double>() : nullptr;
   s.parts = x_red.size(2);
-  s.w_part_stride = w_red.size(2) == 1 ? 0 : 1;
+  s.w_part_stride = w_red.defined() && w_red.size(2) != 1 ? 1 : 0;
   s.in_channels = g.in_channels;
   s.in_group_channels = g.in_group_channels();
   s.out_group_channels = g.out_group_channels();
@@ -49,7 +49,13 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
                   const ConvGeometry& g, bool training, c10::string_view algo, FinalizeInputs& in) {
   const EnergyAlgo energy_algo = parse_energy_algo(algo, backend, g, x_in.scalar_type());
   // The sums read x and the weight in their own dtype, x in its own layout.
-  in.sums = sample_sums(backend, x_in, weight_in.contiguous(), g);
+  const at::Tensor weight_c = weight_in.contiguous();
+  if (!training && !g.has_padding() && backend.eval_sample_sums) {
+    in.sums = backend.eval_sample_sums(x_in, weight_c, g);
+    if (!in.sums.w_red.defined()) in.weight = weight_c;  // the finalize sums it
+    return;
+  }
+  in.sums = sample_sums(backend, x_in, weight_c, g);
   if (!training) return;
   const at::ScalarType energy_dtype = compute_dtype(x_in.scalar_type());
   const at::Tensor x = x_in.to(energy_dtype);  // same layout
@@ -114,9 +120,12 @@ at::Tensor ct_bn_pool_forward(const Backend& backend, const at::Tensor& x,
                       eps, stride, padding, output_padding, dilation, groups);
   const at::ScalarType finalize_dtype = compute_dtype(x.scalar_type());
   FinalizeInputs in;
-  reduce_input(backend, x, weight, g, training, algo, in);
+  // The BN inputs first: their copies (another dtype, non-contiguous) must not run
+  // between the sums and the finalize, which reads them before its pdl_wait on CUDA
+  // (csrc/cuda/pdl.cuh).
   set_bn_inputs(bias, scale, bn_weight, bn_bias, running_mean, running_var, momentum, eps,
                 finalize_dtype, in);
+  reduce_input(backend, x, weight, g, training, algo, in);
   in.batch_stats = training;
   auto out = at::empty({g.batch, g.out_channels, 1, 1, 1}, x.options().dtype(finalize_dtype));
   backend.finalize(in, g, out);

@@ -21,7 +21,8 @@ inline at::ScalarType compute_dtype(at::ScalarType input_dtype) {
 // training mode (docs/math.md §3).
 enum class EnergyAlgo { Direct, SlicedConv, Fft };
 
-// The tensors behind SampleSums: x_red [B, Ci, J] and w_red [Ci, Cog, 1 or J], double.
+// The tensors behind SampleSums: x_red [B, Ci, J] and w_red [Ci, Cog, 1 or J], double
+// (w_red undefined where the finalize sums the weight itself: SampleSums::w_red null).
 struct SampleSumTensors {
   at::Tensor x_red, w_red;
   SampleSums view(const ConvGeometry& g) const;
@@ -30,7 +31,8 @@ struct SampleSumTensors {
 // Tensors and scalars of the finalize step (see FinalizeArgs); undefined
 // tensors are absent (null pointers there).
 struct FinalizeInputs {
-  SampleSumTensors sums;
+  SampleSumTensors sums;   // w_red undefined: the finalize sums `weight` itself (CUDA eval)
+  at::Tensor weight;       // the conv weight, contiguous in T, when sums.w_red is undefined
   at::Tensor sample_sums;  // [B, Co] double, given instead of `sums`
   at::Tensor energy;       // [R, Co, S] double, undefined in eval
   at::Tensor stats_in, stats_out, sample_sums_out;
@@ -61,6 +63,11 @@ struct Backend {
   at::Tensor (*energy_fft)(const at::Tensor& x, const at::Tensor& weight,
                            const SampleSumTensors& sums, const ConvGeometry& g);
   bool (*fft_applies)(const ConvGeometry& g, at::ScalarType dtype);
+  // Eval mode's sums for padding 0, or null where they are sample_sums': may leave
+  // w_red undefined, in which case finalize gets the weight (FinalizeInputs::weight)
+  // and sums it itself (CUDA: while x is read, docs/performance.md).
+  SampleSumTensors (*eval_sample_sums)(const at::Tensor& x, const at::Tensor& weight,
+                                       const ConvGeometry& g);
 };
 
 // Device-independent pieces, written with ATen ops.

@@ -70,6 +70,9 @@ constexpr double SCALE = 2.0, EPS = 1e-5;
 constexpr int T = 256;  // threads of every x block
 constexpr int TW = T / 32;
 constexpr int MAX_BLOCKS_TRACE = 4096;
+// Trace slots per finalize block: 0 start, 1 after its pre-wait reads, 2 after
+// griddepcontrol.wait, 3 the SM id, 4 end (after its last store).
+constexpr int TRACE_F = 8;
 
 struct Params {
   const float* x;  // this call's x buffer
@@ -80,7 +83,7 @@ struct Params {
   const float *bias, *gamma, *beta, *rmean, *rvar;  // [CO]
   float* out;                                       // [B, CO]
   unsigned* counter;                                // [2], zero between calls (V4)
-  unsigned long long* trace;  // null, or [3 * 4096 + 4 * CO] timestamps (diagnostic pass)
+  unsigned long long* trace;  // null, or [2 * 4096 + TRACE_F * CO] timestamps (diagnostic pass)
   int parts;                  // J
   unsigned zero;              // 0, unknown to the compiler (kForce below)
 };
@@ -92,6 +95,30 @@ HD float eval_out(double S, float bias, float gamma, float beta, float rm, float
   const double z_mean = SCALE * S / SPATIAL;
   return float((z_mean - shift) * inv_std * double(gamma) + double(beta));
 }
+
+// V5: eval_out folded, before the x sums exist, into out = S * alpha + delta (same
+// algebra; the products are regrouped, which changes only double rounding).
+struct Affine {
+  double alpha, delta;
+};
+HD Affine eval_affine(float bias, float gamma, float beta, float rm, float rv) {
+  const double shift = double(rm) - SCALE * double(bias);
+  const double g = double(gamma) / sqrt(double(rv) + EPS);
+  return {SCALE / SPATIAL * g, double(beta) - shift * g};
+}
+
+// V5's finalize map for FT threads: L = FT / B lanes per sample (a power of two, so a
+// sample's lanes are an aligned group of a warp); thread t takes sample t / L and the
+// NQ = CI / L input channels ci = k * L + t % L, k < NQ (adjacent lanes read adjacent ci:
+// each load instruction of a group covers L * J contiguous doubles), all J parts of each.
+template <int FT>
+struct V5Map {
+  static constexpr int L = FT / B, NQ = CI / L;
+  static_assert(FT % B == 0 && L >= 1 && L <= 32 && (L & (L - 1)) == 0 && CI % L == 0,
+                "V5 needs FT / B lanes per sample, a power of two <= 32 dividing CI");
+  HD static int sample(int t) { return t / L; }
+  HD static int ci(int t, int k) { return k * L + t % L; }
+};
 
 // Terms first, first + step, ... of the contraction for one (b, co) over the CI * J
 // partial sums of sample b (xr) and a weight column (wcol[ci * wstride]); the J parts of
@@ -157,7 +184,9 @@ using BlockReduceD = cub::BlockReduce<double, T>;
 // u8 one ~4, loading the last vector first when told that the others depend on it);
 // kForce makes every vector's x, y, z depend on all U vectors (XOR with the AND of their w
 // components and a runtime zero), so all U loads are in flight before any is used.
-template <int U, bool kForce = false>
+// kGuard false: n4 is a multiple of T * U (every load in range), no bounds checks (fewer
+// registers: the extension's x pass, csrc/cuda/spatial_sum_x.cu, checks only a remainder).
+template <int U, bool kForce = false, bool kGuard = true>
 __device__ __forceinline__ double thread_partial(const float4* __restrict__ p, int64_t n4,
                                                  unsigned zero = 0) {
   double acc = 0;
@@ -166,7 +195,7 @@ __device__ __forceinline__ double thread_partial(const float4* __restrict__ p, i
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t k = i + int64_t(u) * T;
-      v[u] = k < n4 ? __ldg(p + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[u] = !kGuard || k < n4 ? __ldg(p + k) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     if (kForce) {
       unsigned dep = zero;
@@ -211,18 +240,25 @@ __device__ __forceinline__ void trace_x(const Params& a, int slot) {
 }
 __device__ __forceinline__ void trace_f(const Params& a, int slot) {
   if (a.trace && threadIdx.x == 0) {
-    a.trace[2 * MAX_BLOCKS_TRACE + blockIdx.x * 4 + slot] = gtime();
-    if (slot == 0) a.trace[2 * MAX_BLOCKS_TRACE + blockIdx.x * 4 + 3] = smid();
+    a.trace[2 * MAX_BLOCKS_TRACE + blockIdx.x * TRACE_F + slot] = gtime();
+    if (slot == 0) a.trace[2 * MAX_BLOCKS_TRACE + blockIdx.x * TRACE_F + 3] = smid();
+  }
+}
+// Slot 4 once every thread of the finalize block has stored (a.trace is uniform).
+__device__ __forceinline__ void trace_f_end(const Params& a) {
+  if (a.trace) {
+    __syncthreads();
+    trace_f(a, 4);
   }
 }
 
 // Round-robin items of the x pass: item it = part (it % J) of row (it / J), n4 float4s.
-template <int U>
+template <int U, bool kGuard = true>
 __device__ __forceinline__ void x_items_loop(const Params& a, BlockReduceD::TempStorage& tmp) {
   const int64_t n4 = LEN / 4 / a.parts, items = ROWS * a.parts;
   const float4* x4 = reinterpret_cast<const float4*>(a.x);
   for (int64_t it = blockIdx.x; it < items; it += gridDim.x) {
-    const double t = BlockReduceD(tmp).Sum(thread_partial<U, true>(x4 + it * n4, n4, a.zero));
+    const double t = BlockReduceD(tmp).Sum(thread_partial<U, true, kGuard>(x4 + it * n4, n4, a.zero));
     if (threadIdx.x == 0) a.xs[it] = t;
     __syncthreads();  // tmp is reused
   }
@@ -270,18 +306,19 @@ __global__ void __launch_bounds__(T) finalize_kernel(const Params a) {
   for (int b = threadIdx.x; b < B; b += T)
     a.out[int64_t(b) * CO + c] =
         eval_out(sums[b], a.bias[c], a.gamma[c], a.beta[c], a.rmean[c], a.rvar[c]);
+  trace_f_end(a);
 }
 
 // ---------------------------------------------------------------------------------------
 // V2: x pass over round-robin items with a grid that leaves room on every SM for one
 // finalize block; PDL trigger first thing. MAXREG caps the registers (at most T threads
 // per block) so that the host can size the grid to leave that room.
-template <int U, int MAXREG>
+template <int U, int MAXREG, bool kGuard = true>
 __global__ void __maxnreg__(MAXREG) x_items_kernel(const Params a) {
   pdl_launch_dependents();
   trace_x(a, 0);
   __shared__ BlockReduceD::TempStorage tmp;
-  x_items_loop<U>(a, tmp);
+  x_items_loop<U, kGuard>(a, tmp);
   if (a.trace) trace_x(a, 1);  // x_items_loop ends with __syncthreads
 }
 
@@ -326,6 +363,81 @@ __global__ void __launch_bounds__(FT, MINB) finalize_pre_kernel(const Params a) 
   trace_f(a, 2);
   __syncthreads();
   finalize_channel<NW>(a, c, wcol);
+  trace_f_end(a);
+}
+
+// ---------------------------------------------------------------------------------------
+// V5: V2 with the shortest tail after griddepcontrol.wait. Everything the x kernel does not
+// write is read and combined before the wait, into shared memory: the weight columns of
+// the block's NCH channels (as V2) and each channel's BN map folded into
+// out = S * alpha + delta (eval_affine). After the wait: one round of independent loads of
+// the x sums (V5Map), the products with the weight sums (shared-memory loads, issued after
+// the global ones and hidden under their latency; in registers they made the 32-register
+// build spill), a butterfly over the sample's L lanes, one store per (b, c) (lane ch of
+// the group stores channel ch).
+template <int J>
+__device__ __forceinline__ void load_parts(const double* p, double (&v)[J]) {
+  if constexpr (J % 2 == 0) {  // 16-byte loads: p is at an even index of the cudaMalloc'd sums
+#pragma unroll
+    for (int j = 0; j < J; j += 2) {
+      const double2 d = __ldcg(reinterpret_cast<const double2*>(p + j));
+      v[j] = d.x;
+      v[j + 1] = d.y;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < J; ++j) v[j] = __ldcg(p + j);
+  }
+}
+
+template <int FT, int NCH, int J, int MINB>
+__global__ void __launch_bounds__(FT, MINB) finalize_v5_kernel(const Params a) {
+  using M = V5Map<FT>;
+  constexpr int NW = FT / 32;
+  static_assert(CO % NCH == 0 && NCH <= M::L, "NCH must divide CO, at most L");
+  __shared__ double wcol[NCH * CI];  // [channel][ci]
+  __shared__ Affine aff[NCH];
+  const int c0 = blockIdx.x * NCH, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  trace_f(a, 0);
+  for (int r = warp; r < NCH * CI; r += NW) {
+    const float* wr = a.w + (int64_t(r % CI) * CO + c0 + r / CI) * TAPS;
+    double acc = 0;  // the same terms in the same order as weight_rows
+#pragma unroll
+    for (int q = 0; q < int((TAPS + 31) / 32); ++q)
+      if (lane + 32 * q < TAPS) acc += double(__ldg(wr + lane + 32 * q));
+    acc = warp_sum(acc);
+    if (lane == 0) wcol[r] = acc;
+  }
+  const int t = threadIdx.x, b = M::sample(t), g = t % M::L;
+  if (t < NCH) {
+    const int c = c0 + t;
+    aff[t] = eval_affine(a.bias[c], a.gamma[c], a.beta[c], a.rmean[c], a.rvar[c]);
+  }
+  __syncthreads();
+  trace_f(a, 1);
+  pdl_wait();
+  trace_f(a, 2);
+  const double* xr = a.xs + int64_t(b) * CI * J;
+  double xv[M::NQ][J];
+#pragma unroll
+  for (int k = 0; k < M::NQ; ++k) load_parts<J>(xr + M::ci(t, k) * J, xv[k]);
+  double xk[M::NQ];
+#pragma unroll
+  for (int k = 0; k < M::NQ; ++k) {
+    xk[k] = 0;
+#pragma unroll
+    for (int j = 0; j < J; ++j) xk[k] += xv[k][j];
+  }
+#pragma unroll
+  for (int ch = 0; ch < NCH; ++ch) {
+    double s = 0;
+#pragma unroll
+    for (int k = 0; k < M::NQ; ++k) s += xk[k] * wcol[ch * CI + M::ci(t, k)];
+#pragma unroll
+    for (int o = M::L / 2; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (g == ch) a.out[int64_t(b) * CO + c0 + ch] = float(s * aff[ch].alpha + aff[ch].delta);
+  }
+  trace_f_end(a);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -646,6 +758,68 @@ static int selftest() {
     snprintf(what, sizeof what, "finalize contraction + eval map, J = 1, 2, 4 (max rel err %.1e)", worst);
     expect(worst < 1e-6, what);
   }
+  // 5. V5: the lane map covers each (b, ci) once with a sample's lanes an aligned group
+  //    of one warp; the folded affine map equals eval_out; the one-round tail (per lane,
+  //    parts summed, products, butterfly) equals the reference contraction.
+  {
+    auto map_ok = [](auto m) {
+      using M = decltype(m);
+      constexpr int FT = M::L * B;
+      std::vector<int> seen(B * CI, 0);
+      bool ok = true;
+      for (int t = 0; t < FT; ++t) {
+        const int first = M::sample(t) * M::L;  // the sample's lanes: one warp, t among them
+        ok &= first / 32 == (first + M::L - 1) / 32 && t >= first && t < first + M::L;
+        for (int k = 0; k < M::NQ; ++k) ++seen[M::sample(t) * CI + M::ci(t, k)];
+      }
+      for (int v : seen) ok &= v == 1;
+      return ok;
+    };
+    expect(map_ok(V5Map<128>{}) && map_ok(V5Map<256>{}) && map_ok(V5Map<512>{}),
+           "V5 lane map covers each (b, ci) once, groups aligned in a warp (FT 128/256/512)");
+    const HostParams p;
+    double worst = 0;
+    for (int c = 0; c < CO; ++c)
+      for (double S : {-5000.0, -3.0, 0.0, 17.0, 9000.0}) {
+        const Affine f = eval_affine(p.bias[c], p.gamma[c], p.beta[c], p.rmean[c], p.rvar[c]);
+        const double o = eval_out(S, p.bias[c], p.gamma[c], p.beta[c], p.rmean[c], p.rvar[c]);
+        worst = std::max(worst, std::fabs(double(float(S * f.alpha + f.delta)) - o) / std::max(1e-3, std::fabs(o)));
+      }
+    expect(worst < 2e-7, "V5 folded affine map (S * alpha + delta) = eval_out");
+    // Tail arithmetic for FT 256, J 2 on random sums against the plain contraction.
+    using M = V5Map<256>;
+    const int J = 2;
+    std::vector<double> xs(ROWS * J), ws(WROWS);
+    for (size_t i = 0; i < xs.size(); ++i) xs[i] = 1000.0 * unif(21, i);
+    for (size_t i = 0; i < ws.size(); ++i) ws[i] = unif(22, i);
+    double werr = 0;
+    for (int c = 0; c < CO; c += 7)
+      for (int b = 0; b < B; ++b) {
+        double lanes[M::L];
+        for (int g = 0; g < M::L; ++g) {
+          const int t = b * M::L + g;
+          double s = 0;
+          for (int k = 0; k < M::NQ; ++k) {
+            const int ci = M::ci(t, k);
+            s += (xs[(b * CI + ci) * J] + xs[(b * CI + ci) * J + 1]) * ws[ci * CO + c];
+          }
+          lanes[g] = s;
+        }
+        for (int o = M::L / 2; o > 0; o /= 2) {  // the butterfly, all lanes
+          double nx[M::L];
+          for (int g = 0; g < M::L; ++g) nx[g] = lanes[g] + lanes[g ^ o];
+          std::copy(nx, nx + M::L, lanes);
+        }
+        double ref_s = 0;
+        for (int ci = 0; ci < CI; ++ci)
+          ref_s += (xs[(b * CI + ci) * J] + xs[(b * CI + ci) * J + 1]) * ws[ci * CO + c];
+        for (int g = 0; g < M::L; ++g)
+          werr = std::max(werr, std::fabs(lanes[g] - ref_s) / std::max(1.0, std::fabs(ref_s)));
+      }
+    char what[100];
+    snprintf(what, sizeof what, "V5 tail contraction (lanes + butterfly) = plain sum (rel %.1e)", werr);
+    expect(werr < 1e-12, what);
+  }
   printf("selftest %s\n", fails ? "FAILED" : "passed");
   return fails ? 1 : 0;
 }
@@ -659,6 +833,7 @@ struct Variant {
   std::function<void(int)> call;  // call(i): one call on buffer i % bufs
   std::function<void(unsigned long long*)> traced;  // optional diagnostic run (buffer 0)
   int x_blocks = 0;                                  // for the trace summary
+  int f_blocks = CO;                                 // finalize blocks (trace summary)
 };
 
 template <typename Kernel, typename... Args>
@@ -780,7 +955,7 @@ int main(int argc, char** argv) {
   unsigned* dcounter;
   CK(cudaMalloc(&dcounter, 2 * sizeof(unsigned)));
   CK(cudaMemset(dcounter, 0, 2 * sizeof(unsigned)));
-  const size_t trace_n = 2 * MAX_BLOCKS_TRACE + 4 * CO;
+  const size_t trace_n = 2 * MAX_BLOCKS_TRACE + TRACE_F * CO;
   unsigned long long* dtrace;
   CK(cudaMalloc(&dtrace, trace_n * sizeof(unsigned long long)));
   float* dcopy[2];
@@ -924,6 +1099,60 @@ int main(int argc, char** argv) {
   add_v2(x_items_kernel<4, 32>, finalize_pre_kernel<128, 8>, 128, 4, "V2", true);
   add_v2(x_items_kernel<8, 56>, finalize_pre_kernel<256, 8>, 256, 8, "V2", true);
   add_v2(x_items_kernel<4, 32>, finalize_pre_kernel<256, 8>, 256, 4, "V2ctl", false);  // no room
+
+  // ---- V5: V2's x pass; finalize with everything but the x sums read before the wait and a
+  // one-round tail (finalize_v5_kernel). fk's J must be the x pass's parts per row.
+  auto add_v5 = [&](auto xk, auto fk, int ft, int nch, int J, int u) {
+    carve(xk);
+    carve(fk);
+    const KernelInfo xi = info(xk, T), fi = info(fk, ft);
+    const int parts = int(LEN / 4 / (int64_t(T) * u));
+    if (parts != J) {
+      fprintf(stderr, "V5: finalize J %d != x parts %d\n", J, parts);
+      exit(2);
+    }
+    int kx = xi.occ;
+    while (kx > 1 && !co_resident(prop, kx, T, xi, ft, fi)) --kx;
+    const bool fits = co_resident(prop, kx, T, xi, ft, fi);
+    const unsigned grid = unsigned(kx * sms), fgrid = unsigned(CO / nch);
+    char line[300];
+    snprintf(line, sizeof line,
+             "V5     x kernel u%d: %d regs, occupancy %d -> grid %d x %d = %u; finalize (%d thr, %d ch, "
+             "%u blocks): %d regs, %d B smem, occupancy %d; co-resident with %d x blocks: %s",
+             u, xi.regs, xi.occ, kx, sms, grid, ft, nch, fgrid, fi.regs, fi.smem, fi.occ, kx, fits ? "yes" : "no");
+    occ_lines.push_back(line);
+    std::string name = "V5 x u" + std::to_string(u) + " " + std::to_string(xi.regs) + "r " + std::to_string(kx) +
+                       "/SM; fin " + std::to_string(ft) + " thr " + std::to_string(nch) + " ch " +
+                       std::to_string(fi.regs) + "r";
+    Variant v{name, std::to_string(parts) + " items/row", xbytes + wbytes, true, nullptr};
+    v.call = [=, &params](int i) {
+      const Params a = params(i, parts);
+      xk<<<grid, T, 0, st>>>(a);
+      CK_LAUNCH();
+      launch_pdl(fk, dim3(fgrid), dim3(ft), st, a);
+    };
+    v.traced = [=, &params](unsigned long long* tr) {
+      Params a = params(0, parts);
+      a.trace = tr;
+      xk<<<grid, T, 0, st>>>(a);
+      CK_LAUNCH();
+      launch_pdl(fk, dim3(fgrid), dim3(ft), st, a);
+    };
+    v.x_blocks = int(grid);
+    v.f_blocks = int(fgrid);
+    vs.push_back(v);
+  };
+  // 256 threads under 32 registers (MINB 8) or 128 under 64: what 4 u8 or 7 u4 x blocks
+  // (57,344 registers) leave of an SM's 65,536.
+  add_v5(x_items_kernel<8, 56>, finalize_v5_kernel<256, 1, 2, 8>, 256, 1, 2, 8);
+  add_v5(x_items_kernel<8, 56>, finalize_v5_kernel<256, 2, 2, 8>, 256, 2, 2, 8);
+  add_v5(x_items_kernel<8, 56>, finalize_v5_kernel<128, 1, 2, 8>, 128, 1, 2, 8);
+  add_v5(x_items_kernel<4, 32>, finalize_v5_kernel<256, 1, 4, 8>, 256, 1, 4, 4);
+  add_v5(x_items_kernel<4, 32>, finalize_v5_kernel<256, 2, 4, 8>, 256, 2, 4, 4);
+  // The extension's split (csrc/cuda/spatial_sum_x.cu, eval_finalize.cu): x at 48, the
+  // finalize at 64 (MINB 4).
+  // The items are exactly one round of loads here (parts = LEN / 4 / (T * u)), so unguarded.
+  add_v5(x_items_kernel<8, 48, false>, finalize_v5_kernel<256, 1, 2, 4>, 256, 1, 2, 8);
 
   // ---- V3: cooperative, one launch
   auto add_v3 = [&](auto kernel, int u) {
@@ -1104,7 +1333,8 @@ int main(int argc, char** argv) {
 
   // ---- diagnostic: when do the finalize blocks start, relative to the x pass? (PDL variants)
   printf("\nPDL timeline (one traced call, globaltimer, us relative to the last x block's end; "
-         "finalize: start / after weight read / after griddepcontrol.wait, median [min, max])\n");
+         "finalize blocks: start / after the pre-wait reads / after griddepcontrol.wait / after the "
+         "last store, median [min, max])\n");
   std::vector<unsigned long long> ht(trace_n);
   for (auto& v : vs) {
     if (!v.traced || (!only.empty() && v.name.find(only) == std::string::npos)) continue;
@@ -1120,8 +1350,8 @@ int main(int argc, char** argv) {
     }
     auto rel = [&](int slot, double& med, double& mn, double& mx) {
       std::vector<double> t;
-      for (int c = 0; c < CO; ++c) {
-        const unsigned long long s = ht[2 * MAX_BLOCKS_TRACE + c * 4 + slot];
+      for (int c = 0; c < v.f_blocks; ++c) {
+        const unsigned long long s = ht[2 * MAX_BLOCKS_TRACE + c * TRACE_F + slot];
         if (s) t.push_back((double(s) - double(x1)) * 1e-3);
       }
       if (t.empty()) {
@@ -1132,14 +1362,17 @@ int main(int argc, char** argv) {
       mn = *std::min_element(t.begin(), t.end());
       mx = *std::max_element(t.begin(), t.end());
     };
-    double m0, a0, b0, m1, a1, b1, m2, a2, b2;
+    double m0, a0, b0, m1, a1, b1, m2, a2, b2, m4, a4, b4;
     rel(0, m0, a0, b0);
     rel(1, m1, a1, b1);
     rel(2, m2, a2, b2);
+    rel(4, m4, a4, b4);
     std::set<unsigned long long> smset;
-    for (int c = 0; c < CO; ++c) smset.insert(ht[2 * MAX_BLOCKS_TRACE + c * 4 + 3]);
-    printf("%-52s x span %6.2f | start %6.2f [%6.2f,%6.2f] | w %6.2f | wait %6.2f [%6.2f,%6.2f] | %zu SMs\n",
-           v.name.c_str(), (double(x1) - double(x0)) * 1e-3, m0, a0, b0, m1, m2, a2, b2, smset.size());
+    for (int c = 0; c < v.f_blocks; ++c) smset.insert(ht[2 * MAX_BLOCKS_TRACE + c * TRACE_F + 3]);
+    printf("%-52s x span %6.2f | start %6.2f [%6.2f,%6.2f] | w %6.2f | wait %6.2f [%6.2f,%6.2f] | "
+           "end %6.2f [%6.2f,%6.2f] | %zu SMs\n",
+           v.name.c_str(), (double(x1) - double(x0)) * 1e-3, m0, a0, b0, m1, m2, a2, b2, m4, a4, b4,
+           smset.size());
   }
   printf("\n%s\n", all_ok ? "all variants within rel err 1e-6" : "SOME VARIANTS FAILED the check");
   return all_ok ? 0 : 1;

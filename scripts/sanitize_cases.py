@@ -40,6 +40,13 @@ torch.cuda.synchronize()
 assert torch.isfinite(out).all()
 run(1, 3, 4, (7, 9, 11), 3, False, "auto")  # odd length: the scalar spatial-sum path
 run(2, 4, 8, (64, 64, 64), 1, False, "auto")  # few rows: a row split into parts
+# Eval's x-only pass and finalize (spatial_sum_x.cu, eval_finalize.cu) on sm_90: one lane a
+# sample over two rounds; a batch of loads a lane plus a remainder; groups; and more than
+# 1024 input channels per group (the x-and-weight pass instead).
+run(300, 4, 5, (2, 2, 4), (2, 1, 2), False, "auto")
+run(16, 100, 3, (1, 96, 96), 1, False, "auto")
+run(5, 24, 36, (3, 5, 8), (3, 2, 2), False, "auto", groups=3, stride=2, dilation=2)
+run(2, 1040, 3, (1, 2, 2), (1, 1, 2), False, "auto")
 for dtype in (torch.float16, torch.bfloat16):  # 8 values per 16-byte load; float32 BN too
     for training in (False, True):
         run(3, 5, 19, (3, 4, 5), (2, 3, 2), training, "auto", dtype)  # odd rows: scalar loads

@@ -158,7 +158,8 @@ EnergyAlgo auto_energy_algo_cpu(const ConvGeometry&, at::ScalarType) {
 }
 
 const Backend kCpuBackend = {sample_sums_cpu,      energy_direct_cpu, finalize_cpu,
-                             auto_energy_algo_cpu, nullptr,           nullptr};
+                             auto_energy_algo_cpu, nullptr,           nullptr,
+                             nullptr};
 
 }  // namespace
 

@@ -1,5 +1,7 @@
 // Registers the CUDA kernel of ct_bn_pool: the shared algorithm with the CUDA
 // reductions and kernels.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -44,6 +46,33 @@ SampleSumTensors sample_sums_any_layout_cuda(const at::Tensor& x, const at::Tens
   return sample_sums_cuda(copy, *sample_layout(copy), weight);
 }
 
+// Eval mode reads x alone and leaves the weight sums to the finalize, which reads the
+// weight while x streams (docs/performance.md, microbenchmark V5), where: the
+// positions are adjacent (the other layouts keep their kernels), the finalize overlaps
+// the x pass (PDL, sm_90+; without it the weight would be read after x), and one
+// channel's weight sums fit its shared memory. Elsewhere: the training path's sums.
+SampleSumTensors eval_sample_sums_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                       const ConvGeometry& g) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto layout = sample_layout(x);
+  const bool adjacent = layout && (layout->position == 1 || x.size(2) * x.size(3) * x.size(4) == 1);
+  const bool pdl = at::cuda::getCurrentDeviceProperties()->major >= 9;
+  if (!adjacent || !pdl || g.in_group_channels() > kMaxEvalTerms) {
+    return sample_sums_any_layout_cuda(x, weight);
+  }
+  return sample_sums_x_only_cuda(x, *layout, g.in_group_channels(),
+                                 eval_finalize_footprint(weight.scalar_type()));
+}
+
+// The eval finalize that sums the weight where the sums left it out.
+void finalize_any_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out) {
+  if (in.sums.x_red.defined() && !in.sums.w_red.defined()) {
+    eval_finalize_cuda(in, g, out);
+  } else {
+    finalize_cuda(in, g, out);
+  }
+}
+
 bool fft_applies_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   return dtype == at::kFloat && fft_energy_applies(g);
 }
@@ -54,8 +83,9 @@ EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   return fft_applies_cuda(g, dtype) ? EnergyAlgo::Fft : EnergyAlgo::SlicedConv;
 }
 
-const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, finalize_cuda,
-                              auto_energy_algo_cuda,       energy_fft_cuda,    fft_applies_cuda};
+const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, finalize_any_cuda,
+                              auto_energy_algo_cuda,       energy_fft_cuda,    fft_applies_cuda,
+                              eval_sample_sums_cuda};
 
 }  // namespace
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "ct_bn_pool.h"
+#include "cuda/co_resident.h"
 
 namespace fused_ops {
 
@@ -23,6 +24,23 @@ SampleSumTensors sample_sums_cuda(const at::Tensor& x, const SampleLayout& layou
                                   const at::Tensor& weight);
 SampleSumTensors sample_sums_channels_last_cuda(const at::Tensor& x, const SampleLayout& layout,
                                                 const at::Tensor& weight);
+// Most terms Cig * J of one (b, co) contraction in eval_finalize_cuda (its weight
+// sums, one per term, are in shared memory); so at most this many input channels per
+// group there (J >= 1): a larger group takes the training path's sums and finalize.
+constexpr int64_t kMaxEvalTerms = 1024;
+// Eval mode (docs/performance.md, microbenchmark V5): the x sums alone, from x whose
+// positions are adjacent (layout.position 1, or one position), in a persistent launch
+// that leaves one block of `finalize` room on every SM; J <= kMaxEvalTerms /
+// in_group_channels. w_red is left undefined: eval_finalize_cuda sums the weight
+// while the x pass runs.
+SampleSumTensors sample_sums_x_only_cuda(const at::Tensor& x, const SampleLayout& layout,
+                                         int64_t in_group_channels,
+                                         const KernelFootprint& finalize);
+// One eval_finalize_cuda block, for sizing the x pass beside it (weight of that dtype).
+KernelFootprint eval_finalize_footprint(at::ScalarType weight_dtype);
+// Eval mode's finalize after sample_sums_x_only_cuda: in.weight (contiguous) is summed
+// here, before the kernel waits for the x pass.
+void eval_finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
 at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& packed_weight,
                               const SampleSumTensors& sums, const ConvGeometry& g);
 void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);

@@ -4,8 +4,10 @@
 // runs, once every block of that kernel has called pdl_launch_dependents; it
 // must call pdl_wait before it reads anything that kernel writes. What it reads
 // before pdl_wait must not be written by the kernel before it (the earlier
-// kernel itself was launched normally, so everything older is complete). On
-// older GPUs both calls compile to nothing and the launch is an ordinary one.
+// kernel itself was launched normally, so everything older is complete): the eval
+// finalize (eval_finalize.cu) reads the weight and the BN inputs before its wait,
+// so ct_bn_pool.cpp prepares them before the x pass. On older GPUs both calls
+// compile to nothing and the launch is an ordinary one.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>

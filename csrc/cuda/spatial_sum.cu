@@ -1,21 +1,22 @@
 // The reductions behind the per-sample sums (docs/math.md §2), in one launch:
 // per-(b, ci) sums of x over D, H, W and the weight sums (weight_sum.cuh), a
 // few rows per block, for x whose positions are adjacent in memory (contiguous x
-// and its slices along B or Ci; kernels.h). This is the only pass over x in eval
-// mode, so it is written to run at memory bandwidth: 16-byte loads, kUnroll of
-// them in flight per thread, one block per row (or per part of a row when there
-// are too few rows to fill the GPU), double accumulation.
+// and its slices along B or Ci; kernels.h). Training mode's sums, and eval mode's
+// where spatial_sum_x.cu does not apply (ct_bn_pool_cuda.cpp). Written to run at
+// memory bandwidth: 16-byte loads, kUnroll of them in flight per thread, one block
+// per row (or per part of a row when there are too few rows to fill the GPU),
+// double accumulation.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cub/block/block_reduce.cuh>
 #include <tuple>
 
 #include "cuda/kernels.h"
 #include "cuda/pdl.cuh"
+#include "cuda/vec16.cuh"
 #include "cuda/weight_sum.cuh"
 
 namespace fused_ops {
@@ -23,42 +24,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
-
-template <typename scalar_t>
-struct Vec16;  // 16 bytes of scalar_t
-template <>
-struct Vec16<float> {
-  using type = float4;
-  static constexpr int n = 4;
-  __device__ static double sum(const float4& v) {
-    return (double(v.x) + double(v.y)) + (double(v.z) + double(v.w));
-  }
-};
-template <>
-struct Vec16<double> {
-  using type = double2;
-  static constexpr int n = 2;
-  __device__ static double sum(const double2& v) { return v.x + v.y; }
-};
-// float16 and bfloat16: 8 values loaded as one uint4, each converted (exactly)
-// to double and summed there.
-template <typename half_t>
-struct Vec16Of8 {
-  using type = uint4;
-  static constexpr int n = 8;
-  __device__ static double sum(const uint4& v) {
-    half_t h[8];
-    memcpy(h, &v, sizeof(v));
-    double pair[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) pair[k] = double(float(h[2 * k])) + double(float(h[2 * k + 1]));
-    return (pair[0] + pair[1]) + (pair[2] + pair[3]);
-  }
-};
-template <>
-struct Vec16<at::Half> : Vec16Of8<at::Half> {};
-template <>
-struct Vec16<at::BFloat16> : Vec16Of8<at::BFloat16> {};
 
 // Block i sums part (i % parts) of row (i / parts) of x viewed as [B * Ci, len],
 // row (b, ci) starting at element b * layout.batch + ci * layout.channel, then
