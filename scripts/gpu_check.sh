@@ -4,7 +4,8 @@
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
 #                        [backward] [memory-format] [eval-variants]
-# (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step.
+# (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
+# PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -32,9 +33,14 @@ if want test; then
   # From /tmp so the installed package, not the source tree, is imported; one
   # file at a time so that a crash in one does not hide the others' results.
   files=$(for t in ${TESTS:-}; do echo "$REPO/tests/$t"; done)
-  for f in ${files:-"$REPO"/tests/test_*.py}; do
-    (cd /tmp && python3 -m pytest "$f" -v -p no:cacheprovider -rfE --tb=short) >>"$OUT/pytest.log" 2>&1 || status=1
-  done
+  if [[ -n ${PYTEST_WORKERS:-} ]]; then  # one run over pytest-xdist workers sharing the GPU
+    (cd /tmp && python3 -m pytest ${files:-"$REPO"/tests} -n "$PYTEST_WORKERS" -v -p no:cacheprovider -rfE \
+      --tb=short) >>"$OUT/pytest.log" 2>&1 || status=1
+  else
+    for f in ${files:-"$REPO"/tests/test_*.py}; do
+      (cd /tmp && python3 -m pytest "$f" -v -p no:cacheprovider -rfE --tb=short) >>"$OUT/pytest.log" 2>&1 || status=1
+    done
+  fi
   grep -E "^(FAILED|ERROR)|Fatal|passed|failed" "$OUT/pytest.log" | tail -30
 fi
 if want sanitize; then
