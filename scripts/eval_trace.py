@@ -38,6 +38,19 @@ def event_ms(fn, inputs, cycles):
     return statistics.median(times[CALLS:])
 
 
+def queued_event_ms(fn, inputs, cycles):
+    """As event_ms, with every call enqueued before the first completes (bench/'s loop)."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(CALLS * 2)]
+    for i, (start, end) in enumerate(events):
+        torch.cuda._sleep(cycles)
+        start.record()
+        fn(inputs[i % len(inputs)])
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events[CALLS:])
+
+
 def trace(fn, inputs, cycles):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(CALLS):
@@ -74,6 +87,20 @@ def main():
         trace(m, xs, sleep_cycles(200))
         for us in (100, 300, 1000):
             print(f"  events, {us} us head start: {event_ms(m, xs, sleep_cycles(us)) * 1e3:.2f} us")
+        print(f"  events, all calls queued (bench/'s loop), 140 us head start: "
+              f"{queued_event_ms(m, xs, sleep_cycles(140)) * 1e3:.2f} us")
+        # After a second of convolution at full power, as bench/ times the op after eager.
+        conv = torch.nn.Conv3d(64, 128, 5, padding=2).cuda()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(200):
+            conv(xs[0])
+        end.record()
+        torch.cuda.synchronize()
+        print(f"  ({start.elapsed_time(end):.0f} ms of conv3d) then queued: "
+              f"{queued_event_ms(m, xs, sleep_cycles(140)) * 1e3:.2f} us, synced: "
+              f"{event_ms(m, xs, sleep_cycles(140)) * 1e3:.2f} us")
         static = xs[0].clone()
         graph = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
