@@ -157,6 +157,16 @@ at::Tensor ct_bn_pool_apply_kernel(const at::Tensor& sample_sums, const at::Tens
                                   bn_bias, running_mean, running_var, momentum, eps, dtype);
 }
 
+template <const Backend& backend>
+at::Tensor ct_bn_pool_apply_no_stats_kernel(const at::Tensor& sample_sums, const at::Tensor& stats,
+                                            int64_t spatial, const c10::optional<at::Tensor>& bias,
+                                            double scale, const c10::optional<at::Tensor>& bn_weight,
+                                            const c10::optional<at::Tensor>& bn_bias, double eps,
+                                            at::ScalarType dtype) {
+  return ct_bn_pool_apply_forward(backend, sample_sums, stats, spatial, bias, scale, bn_weight,
+                                  bn_bias, {}, {}, /*momentum=*/0.0, eps, dtype);
+}
+
 // Typed view of FinalizeInputs for one dtype.
 template <typename scalar_t>
 FinalizeArgs<scalar_t> finalize_args(const FinalizeInputs& in, const ConvGeometry& g,

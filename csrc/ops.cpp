@@ -50,6 +50,10 @@ TORCH_LIBRARY(fused_ops, m) {
       "ct_bn_pool_apply(Tensor sample_sums, Tensor stats, int spatial, Tensor? bias, float scale, "
       "Tensor? bn_weight, Tensor? bn_bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, "
       "float momentum, float eps, ScalarType dtype) -> Tensor");
+  // ct_bn_pool_apply without running statistics, for the reason of ct_bn_pool.no_stats.
+  m.def(
+      "ct_bn_pool_apply.no_stats(Tensor sample_sums, Tensor stats, int spatial, Tensor? bias, "
+      "float scale, Tensor? bn_weight, Tensor? bn_bias, float eps, ScalarType dtype) -> Tensor");
   m.def("build_info() -> str", &build_info);
 }
 
@@ -83,13 +87,13 @@ void ct_bn_pool_bump_versions(const c10::OperatorHandle& op, c10::DispatchKeySet
 // through them raises, naming the op, instead of returning wrong gradients, and
 // their in-place writes to the running stats bump the versions.
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
-  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply"}) {
+  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply", "ct_bn_pool_apply.no_stats"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }
 TORCH_LIBRARY_IMPL(fused_ops, ADInplaceOrView, m) {
   m.impl("ct_bn_pool", torch::CppFunction::makeFromBoxedFunction<&ct_bn_pool_bump_versions>());
-  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply"}) {
+  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply", "ct_bn_pool_apply.no_stats"}) {
     m.impl(op, torch::autograd::autogradNotImplementedInplaceOrViewFallback());
   }
 }

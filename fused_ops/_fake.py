@@ -37,3 +37,10 @@ def _ct_bn_pool_apply_fake(sample_sums, stats, spatial, bias, scale, bn_weight, 
     torch._check(sample_sums.dim() == 2,
                  lambda: f"ct_bn_pool: sample_sums must be [B, C_out], got {sample_sums.dim()}-D")
     return sample_sums.new_empty((sample_sums.shape[0], sample_sums.shape[1], 1, 1, 1), dtype=dtype)
+
+
+@torch.library.register_fake("fused_ops::ct_bn_pool_apply.no_stats")
+def _ct_bn_pool_apply_no_stats_fake(sample_sums, stats, spatial, bias, scale, bn_weight, bn_bias,
+                                    eps, dtype):
+    return _ct_bn_pool_apply_fake(sample_sums, stats, spatial, bias, scale, bn_weight, bn_bias,
+                                  None, None, 0.0, eps, dtype)

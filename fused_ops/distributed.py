@@ -106,6 +106,11 @@ def synced_ct_bn_pool(x, weight, bias, scale, bn_weight, bn_bias, running_mean, 
     merged = merge_stats(all_gather_stats(stats, process_group))
     # Before apply, which writes the running statistics: a rejected call changes nothing.
     check_count(merged, x.shape[0] * spatial)
+    if running_mean is None and running_var is None:
+        # Nothing to update: the overload that mutates nothing (csrc/ops.cpp, as the
+        # functional's ct_bn_pool.no_stats).
+        return torch.ops.fused_ops.ct_bn_pool_apply.no_stats(
+            sample_sums, merged, spatial, bias, scale, bn_weight, bn_bias, eps, x.dtype)
     return torch.ops.fused_ops.ct_bn_pool_apply(
         sample_sums, merged, spatial, bias, scale, bn_weight, bn_bias, running_mean, running_var,
         momentum, eps, x.dtype)

@@ -176,6 +176,38 @@ def test_split_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.fused_ops.ct_bn_pool_apply.default, (
         sums, stats, spatial, c.bias.detach(), 2.0, bn.weight.detach(), bn.bias.detach(),
         bn.running_mean, bn.running_var, 0.1, 1e-5, torch.float32))
+    torch.library.opcheck(torch.ops.fused_ops.ct_bn_pool_apply.no_stats, (
+        sums, stats, spatial, c.bias.detach(), 2.0, bn.weight.detach(), bn.bias.detach(), 1e-5,
+        torch.float32))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_synced_step_without_running_stats(compiled, monkeypatch):
+    """track_running_stats=False in a group: the synced step takes ct_bn_pool_apply.no_stats,
+    which mutates nothing (inductor fails on the mutating overload when both of its mutable
+    arguments are None), and equals the plain op's batch statistics and float64 BatchNorm."""
+    torch.manual_seed(0)
+    ref, fused = make_models(P_OPTS, torch.float32)
+    ref.batch_norm.track_running_stats = False
+    ref.batch_norm.running_mean = ref.batch_norm.running_var = None
+    monkeypatch.setattr(distributed, "all_gather_stats", lambda stats, group: stats[None])
+    c, bn = fused.conv_transpose, fused.batch_norm
+    x = global_input(P_OPTS, [3], 0, torch.float32)
+
+    def step(x, weight, bias, bn_weight, bn_bias):
+        return distributed.synced_ct_bn_pool(
+            x, weight, bias, P_OPTS.scale, bn_weight, bn_bias, None, None, 0.1, bn.eps,
+            algo="auto", process_group="group", **conv_options(c))
+
+    if compiled:
+        step = torch.compile(step, backend="inductor", fullgraph=True)
+    with torch.no_grad():
+        out = step(x, c.weight, c.bias, bn.weight, bn.bias)
+        plain = fused_ops.ct_bn_pool(x, c.weight, c.bias, P_OPTS.scale, bn.weight, bn.bias,
+                                     None, None, True, 0.1, bn.eps, **conv_options(c))
+        expected = ref.train()(x.double())
+    assert relerr(out, plain) <= 1e-6
+    assert relerr(out, expected) <= 1e-6
 
 
 # --- Arguments and the single-process cases ---------------------------------------------------

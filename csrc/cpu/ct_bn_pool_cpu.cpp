@@ -168,6 +168,7 @@ TORCH_LIBRARY_IMPL(fused_ops, CPU, m) {
   m.impl("ct_bn_pool.no_stats", &ct_bn_pool_no_stats_kernel<kCpuBackend>);
   m.impl("ct_bn_pool_stats", &ct_bn_pool_stats_kernel<kCpuBackend>);
   m.impl("ct_bn_pool_apply", &ct_bn_pool_apply_kernel<kCpuBackend>);
+  m.impl("ct_bn_pool_apply.no_stats", &ct_bn_pool_apply_no_stats_kernel<kCpuBackend>);
 }
 
 }  // namespace fused_ops

@@ -94,6 +94,7 @@ TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
   m.impl("ct_bn_pool.no_stats", &ct_bn_pool_no_stats_kernel<kCudaBackend>);
   m.impl("ct_bn_pool_stats", &ct_bn_pool_stats_kernel<kCudaBackend>);
   m.impl("ct_bn_pool_apply", &ct_bn_pool_apply_kernel<kCudaBackend>);
+  m.impl("ct_bn_pool_apply.no_stats", &ct_bn_pool_apply_no_stats_kernel<kCudaBackend>);
 }
 
 }  // namespace fused_ops
