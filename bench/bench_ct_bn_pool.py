@@ -40,16 +40,20 @@ CUDA_PROBLEMS = {
     "k3": (16, 64, 128, 16, 32, 32, 3),
     "odd": (3, 5, 7, 9, 11, 13, (2, 3, 4)),
     "st2": (8, 32, 64, 16, 16, 16, 4),
+    "up2": (8, 64, 32, 16, 16, 16, 2),  # a decoder's upsampling: kernel = stride
 }
-# ConvTranspose3d stride of the problems that have one (else 1): the FFT path's phases.
-STRIDES = {"st2": 2}
+# ConvTranspose3d stride of the problems that have one (else 1): the phases of the FFT and
+# correlation paths (docs/math.md §3.3.1, §3.4).
+STRIDES = {"st2": 2, "up2": 2, "cpu_st2": 2, "cpu_up2": 2}
 CPU_PROBLEMS = {
     "cpu_small": (4, 16, 32, 8, 16, 16, 3),
     "cpu_mid": (8, 32, 64, 8, 16, 16, 5),
+    "cpu_st2": (4, 16, 32, 8, 8, 8, 4),
+    "cpu_up2": (4, 32, 16, 8, 8, 8, 2),
 }
 DIM_NAMES = ("B", "Ci", "Co", "D", "H", "W", "k")
 MODES = ("eval", "train")
-ALGOS = ("auto", "fft", "direct", "sliced_conv")
+ALGOS = ("auto", "fft", "direct", "sliced_conv", "correlation")
 MEMORY_FORMATS = ("contiguous", "channels_last_3d")
 
 WARMUP_CALLS = 5

@@ -71,6 +71,9 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
     case EnergyAlgo::Fft:
       in.energy = backend.energy_fft(x, weight, in.sums, g);
       break;
+    case EnergyAlgo::Correlation:
+      in.energy = energy_correlation(x, weight, in.sums, g);
+      break;
   }
 }
 

@@ -19,7 +19,7 @@ inline at::ScalarType compute_dtype(at::ScalarType input_dtype) {
 
 // How the within-sample sum of squares of the conv output is computed in
 // training mode (docs/math.md §3).
-enum class EnergyAlgo { Direct, SlicedConv, Fft };
+enum class EnergyAlgo { Direct, SlicedConv, Fft, Correlation };
 
 // The tensors behind SampleSums: x_red [B, Ci, J] and w_red [Ci, Cog, 1 or J], double
 // (w_red undefined where the finalize sums the weight itself: SampleSums::w_red null).
@@ -77,6 +77,10 @@ at::Tensor box_sums(const at::Tensor& x, const ConvGeometry& g);
 // [B, Co, 1] double energy via ATen's convolution over slices of the batch
 // (docs/math.md §3.2).
 at::Tensor energy_sliced_conv(const at::Tensor& x, const at::Tensor& weight, const ConvGeometry& g);
+// [1, Co, 1] double energy from x's channel cross-correlation at the phases'
+// lags (docs/math.md §3.4); padding 0. `sums`: x's padding-0 sample sums.
+at::Tensor energy_correlation(const at::Tensor& x, const at::Tensor& weight,
+                              const SampleSumTensors& sums, const ConvGeometry& g);
 // The weight as the direct kernel reads it (see conv_transpose_point.h).
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);
 

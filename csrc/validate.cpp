@@ -232,8 +232,16 @@ EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, cons
                       to_str(at::IntArrayRef(g.dilation, 3)), " (use 'auto')");
     return EnergyAlgo::Fft;
   }
+  if (algo == "correlation") {
+    TORCH_CHECK_VALUE(!g.has_padding(),
+                      "ct_bn_pool: algo='correlation' needs padding 0 (any stride, dilation and "
+                      "output_padding); got padding ",
+                      to_str(at::IntArrayRef(g.padding, 3)), " (use 'auto')");
+    return EnergyAlgo::Correlation;
+  }
   TORCH_CHECK_VALUE(false,
-                    "ct_bn_pool: algo must be one of 'auto', 'fft', 'direct', 'sliced_conv', got '",
+                    "ct_bn_pool: algo must be one of 'auto', 'fft', 'direct', 'sliced_conv', "
+                    "'correlation', got '",
                     std::string(algo), "'");
   return EnergyAlgo::Direct;
 }

@@ -72,8 +72,10 @@ def ct_bn_pool(
             and the weight, in float32, never forming the conv output), ``"direct"`` (our
             kernel, computes the conv output in registers and never stores it) or
             ``"sliced_conv"`` (ATen's convolution, TF32 off, over slices of the batch of at
-            most 64 MiB of output). A forced ``"fft"`` where it does not
-            apply raises ValueError.
+            most 64 MiB of output) or ``"correlation"`` (any device and dtype, padding 0:
+            x's channel cross-correlation at the few lags a strided kernel's phases span,
+            in float64; cheap where kernel / stride is small, ``docs/math.md`` §3.4). A
+            forced ``"fft"`` or ``"correlation"`` where it does not apply raises ValueError.
             Eval mode needs no convolution and ignores it.
         process_group: a ``torch.distributed`` ProcessGroup, or None (the default: this
             process's batch only). With a group and ``training=True`` the batch statistics

@@ -3,7 +3,7 @@
 # build against the machine's torch, run the CUDA tests, compute-sanitizer and
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
-#                        [backward] [memory-format] [eval-variants]
+#                        [backward] [memory-format] [eval-variants] [bench-strided]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes).
 set -u -o pipefail
@@ -73,6 +73,13 @@ if want bench; then
   step bench
   (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed --no-compile \
     --algos auto,fft,sliced_conv --out "$OUT") 2>&1 | tee "$OUT/bench-seed.log" | tail -20 || status=1
+fi
+if want bench-strided; then
+  step bench-strided
+  # The strided problems in training with every algorithm that covers them (the auto rule
+  # for strides rests on this; docs/performance.md).
+  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems st2,up2 --modes train --no-compile \
+    --algos auto,fft,sliced_conv,correlation --out "$OUT") 2>&1 | tee "$OUT/bench-strided.log" | tail -12 || status=1
 fi
 if want memory-format; then
   step memory-format

@@ -49,6 +49,19 @@ class Problem:
                 + "".join(f"-{k}{v}" for k, v in {**self.conv_kwargs, **self.bn_kwargs}.items()))
 
 
+def has_padding(problem: Problem) -> bool:
+    padding = problem.conv_kwargs.get("padding", 0)
+    return any(p != 0 for p in (padding if isinstance(padding, tuple) else (padding,)))
+
+
+def skip_unless_algo_covers(problem: Problem, algo: str):
+    """algo='correlation' computes padding 0 only (tests/test_correlation_energy.py checks
+    the refusal); the other algorithms every problem these tests use ('fft': see
+    tests/test_tooling_families.py)."""
+    if algo == "correlation" and has_padding(problem):
+        pytest.skip("algo='correlation' covers padding 0 only")
+
+
 def relerr(out, ref):
     out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
     assert torch.isfinite(out).all(), "non-finite values in the output"

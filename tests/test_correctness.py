@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from conftest import DEVICES, Problem, make_input, make_models, random_problems, relerr
+from conftest import (DEVICES, Problem, make_input, make_models, random_problems, relerr,
+                      skip_unless_algo_covers)
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-6}
 DTYPES = [torch.float64, torch.float32]
@@ -50,10 +51,11 @@ def test_eval_matches_reference(problem, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv"])
+@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv", "correlation"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("problem", TRAIN_PROBLEMS, ids=Problem.ids)
 def test_train_matches_reference_over_steps(problem, dtype, algo, device):
+    skip_unless_algo_covers(problem, algo)
     ref, fused = make_models(problem, dtype, device, algo=algo)
     ref.train()
     fused.train()

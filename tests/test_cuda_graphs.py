@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import Problem, make_input, make_models, relerr
+from conftest import Problem, make_input, make_models, relerr, skip_unless_algo_covers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 P = Problem(4, 8, 19, (5, 6, 7), (3, 2, 3))
@@ -61,7 +61,7 @@ from test_tooling_families import FAMILIES, FunctionalModel, fft_applies  # noqa
 
 GRAPH_FAMILIES = [f for f in FAMILIES if FAMILIES[f].momentum is not None]
 GRAPH_MODES = [(False, "auto"), (True, "auto"), (True, "fft"), (True, "direct"),
-               (True, "sliced_conv")]
+               (True, "sliced_conv"), (True, "correlation")]
 
 
 def assert_same_state(fused, ref):
@@ -83,6 +83,7 @@ def test_replay_every_family(family, mode, form):
     training, algo = mode
     if algo == "fft" and not fft_applies(problem, "cuda"):
         pytest.skip("algo='fft' covers padding 0 only")
+    skip_unless_algo_covers(problem, algo)
     ref, fused = make_models(problem, torch.float32, "cuda", algo=algo)
     ref.train(training)
     fused.train(training)

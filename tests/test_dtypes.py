@@ -20,7 +20,8 @@ import torch
 
 import fused_ops
 from fused_ops import distributed
-from conftest import DEVICES, Problem, assert_gradients_match, make_input, make_models, relerr
+from conftest import (DEVICES, Problem, assert_gradients_match, make_input, make_models, relerr,
+                      skip_unless_algo_covers)
 
 HALF_TYPES = [torch.float16, torch.bfloat16]
 # Unit roundoff u: the relative rounding error of one value is at most u.
@@ -99,12 +100,13 @@ def test_eval_matches_float64_reference(problem, dtypes, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv"])
+@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv", "correlation"])
 @pytest.mark.parametrize("dtypes", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("problem", PROBLEMS, ids=Problem.ids)
 def test_train_matches_float64_reference(problem, dtypes, algo, device):
     """Two steps: outputs, and running statistics kept in their dtype and within that
     dtype's tolerance of the float64 update."""
+    skip_unless_algo_covers(problem, algo)
     conv_dtype, bn_dtype = dtypes
     ref, fused = make_dtype_models(problem, conv_dtype, bn_dtype, device, algo)
     ref.train()

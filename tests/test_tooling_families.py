@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import fused_ops
-from conftest import DEVICES, Problem, Reference, make_input, make_models, relerr
+from conftest import (DEVICES, Problem, Reference, make_input, make_models, relerr,
+                      skip_unless_algo_covers)
 
 BASE = dict(batch=2, in_channels=4, out_channels=6, size=(3, 4, 5), kernel=(2, 3, 2))
 FAMILIES = {
@@ -34,7 +35,7 @@ FAMILIES = {
 # Modes: eval (algo ignored), and training with each algorithm ("fft" where it applies:
 # CUDA, no padding; with "auto" it is the FFT path wherever it applies).
 MODES = [("eval", "auto"), ("train", "auto"), ("train", "direct"), ("train", "sliced_conv"),
-         ("train", "fft")]
+         ("train", "fft"), ("train", "correlation")]
 
 
 # torch.compile and export trace much more slowly than the op runs: every family in eval and
@@ -88,6 +89,7 @@ def skip_unless_applies(problem, algo, device, dtype=torch.float32):
     if algo == "fft" and not fft_applies(problem, device, dtype):
         pytest.skip("algo='fft' covers CUDA, no float64, padding 0 only "
                     "(tests/test_fft_energy.py checks the refusal)")
+    skip_unless_algo_covers(problem, algo)
 
 
 def module_op_arguments(fused, x):

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cuda/fft_energy.h"
+#include "phases.h"
 
 namespace fused_ops {
 namespace {
@@ -29,60 +30,6 @@ bool is_full_convolution(const ConvGeometry& g) {
     if (g.stride[d] != 1 || g.padding[d] != 0 || g.output_padding[d] != 0) return false;
   }
   return true;
-}
-
-// Every phase's problem (docs/math.md §3.3.1): a stride-1 full convolution of x
-// whose output is the common grid L. A strided dim gets the dense sub-kernel of
-// k' = floor(d (k - 1) / s) + 1 positions; a stride-1 dim keeps its kernel and
-// dilation (one phase, as in §3.3).
-ConvGeometry phase_geometry(const ConvGeometry& g) {
-  ConvGeometry p = g;
-  for (int d = 0; d < 3; ++d) {
-    if (g.stride[d] > 1) {
-      p.kernel[d] = g.dilation[d] * (g.kernel[d] - 1) / g.stride[d] + 1;
-      p.dilation[d] = 1;
-    }
-    p.stride[d] = 1;
-    p.output_padding[d] = 0;
-    p.out_size[d] = conv_transpose_out_size(g.in_size[d], p.kernel[d], 1, 0, p.dilation[d], 0);
-  }
-  return p;
-}
-
-int64_t phase_count(const ConvGeometry& g) { return g.stride[0] * g.stride[1] * g.stride[2]; }
-
-// The phases some tap lands in (k < s leaves some empty: their energy and sums
-// are 0, so they are skipped). Known from the geometry: no device round trip.
-std::vector<int64_t> occupied_phases(const ConvGeometry& g) {
-  std::vector<bool> hit[3];
-  for (int d = 0; d < 3; ++d) {
-    hit[d].assign(g.stride[d], false);
-    for (int64_t t = 0; t < g.kernel[d]; ++t) hit[d][g.dilation[d] * t % g.stride[d]] = true;
-  }
-  std::vector<int64_t> phases;
-  for (int64_t r = 0; r < phase_count(g); ++r) {
-    const int64_t rw = r % g.stride[2], rh = r / g.stride[2] % g.stride[1],
-                  rd = r / (g.stride[1] * g.stride[2]);
-    if (hit[0][rd] && hit[1][rh] && hit[2][rw]) phases.push_back(r);
-  }
-  return phases;
-}
-
-// [T] long: where each tap (kd, kh, kw order) lands in the stack of the phases'
-// sub-kernels, [P, k'd, k'h, k'w] flattened: phase r = (d t) mod s and position
-// m = (d t) div (s d') per dim, d' the sub-kernel's dilation (§3.3.1). Built on
-// the device from aranges: no host-to-device copy, nothing to synchronize.
-at::Tensor tap_slots(const ConvGeometry& g, const ConvGeometry& sub,
-                     const at::TensorOptions& opts) {
-  at::Tensor phase = at::zeros({1, 1, 1}, opts), position = at::zeros({1, 1, 1}, opts);
-  for (int d = 0; d < 3; ++d) {
-    std::vector<int64_t> shape = {1, 1, 1};
-    shape[d] = g.kernel[d];
-    const at::Tensor dt = at::arange(g.kernel[d], opts).mul_(g.dilation[d]).view(shape);
-    phase = phase * g.stride[d] + dt.remainder(g.stride[d]);
-    position = position * sub.kernel[d] + at::div(dt, g.stride[d] * sub.dilation[d], "floor");
-  }
-  return (phase * sub.taps() + position).reshape({-1});
 }
 
 // x's spectrum at the grid size, as [Ld, Lh, Lwf, B, Ci]: one frequency's
@@ -119,20 +66,11 @@ void grid_energy(const at::Tensor& x_spec, const at::Tensor& weight, const ConvG
 
 // [Co] double: sum_b (sum_r S[b, r]^2 / |grid| - S[b]^2 / M), the terms that
 // turn the phases' energies (each centred on its own grid mean) into the
-// energy of the real output centred on the sample's mean (§3.3.1). S[b, r] is
-// the contraction of x's sums with the sums of phase r's taps (§2.1).
+// energy of the real output centred on the sample's mean (§3.3.1).
 at::Tensor phase_sum_correction(const at::Tensor& weight, const SampleSumTensors& sums,
                                 const ConvGeometry& g, const ConvGeometry& sub,
                                 const at::Tensor& slots) {
-  const int64_t phases = phase_count(g), cig = g.in_group_channels(), cog = g.out_group_channels();
-  const at::Tensor phase = at::div(slots, sub.taps(), "floor");
-  const at::Tensor one_hot =  // [T, P]: which phase each tap lands in
-      phase.unsqueeze(1).eq(at::arange(phases, slots.options())).to(at::kDouble);
-  const at::Tensor w_sums =  // [G, Cig, Cog, P]
-      at::matmul(weight.reshape({g.groups, cig, cog, g.taps()}).to(at::kDouble), one_hot);
-  const at::Tensor x_sums = sums.x_red.sum(2).view({g.batch, g.groups, cig});
-  const at::Tensor s = at::einsum("bgi,giop->bgop", {x_sums, w_sums})
-                           .reshape({g.batch, g.out_channels, phases});  // [B, Co, P]
+  const at::Tensor s = phase_sample_sums(weight, sums, g, sub, slots);  // [B, Co, P]
   const double grid = static_cast<double>(sub.out_spatial());
   const double real = static_cast<double>(g.out_spatial());
   return s.square().sum(at::IntArrayRef{0, 2}).div_(grid).sub_(s.sum(2).square_().sum(0).div_(real));
@@ -142,19 +80,12 @@ at::Tensor phase_sum_correction(const at::Tensor& weight, const SampleSumTensors
 at::Tensor polyphase_energy(const at::Tensor& x_spec, const at::Tensor& weight,
                             const SampleSumTensors& sums, const ConvGeometry& g,
                             const ConvGeometry& sub, const SpectrumGeometry& s) {
-  const int64_t positions = sub.taps();
-  const at::TensorOptions longs = weight.options().dtype(at::kLong);
-  const at::Tensor slots = tap_slots(g, sub, longs);
-  // Each slot of the stack names the tap that lands there, or the zero column T
-  // appended to the weight where none does; phase r's sub-kernel is then one gather.
-  const at::Tensor source = at::full({phase_count(g) * positions}, g.taps(), longs)
-                                .index_copy_(0, slots, at::arange(g.taps(), longs));
-  const at::Tensor taps = at::constant_pad_nd(
-      weight.reshape({g.in_channels * g.out_group_channels(), g.taps()}), {0, 1});
+  const at::Tensor slots = tap_slots(g, sub, weight.options().dtype(at::kLong));
+  const PhaseTaps taps = phase_taps(weight, g, sub, slots);
   auto total = at::zeros({1, g.out_channels, s.pairs()}, x_spec.options().dtype(at::kDouble));
   auto phase_energy = at::empty_like(total);
   for (const int64_t r : occupied_phases(g)) {
-    const at::Tensor sub_kernel = taps.index_select(1, source.narrow(0, r * positions, positions));
+    const at::Tensor sub_kernel = taps.sub_kernel(r);
     grid_energy(x_spec, sub_kernel, sub, s, phase_energy);
     total.add_(phase_energy);
   }
