@@ -81,6 +81,9 @@ at::Tensor energy_sliced_conv(const at::Tensor& x, const at::Tensor& weight, con
 // lags (docs/math.md §3.4); padding 0. `sums`: x's padding-0 sample sums.
 at::Tensor energy_correlation(const at::Tensor& x, const at::Tensor& weight,
                               const SampleSumTensors& sums, const ConvGeometry& g);
+// Multiply-adds of energy_correlation's cross-correlation (float64 GEMMs over the
+// padded x) per multiply-add of the convolution (float32), docs/math.md §3.4.
+double correlation_cost_ratio(const ConvGeometry& g);
 // The weight as the direct kernel reads it (see conv_transpose_point.h).
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);
 

@@ -66,8 +66,9 @@ def ct_bn_pool(
         stride, padding, output_padding, dilation: ConvTranspose3d options, an int or 3 ints.
         groups: ConvTranspose3d groups.
         algo: how training mode gets the per-channel variance (``docs/math.md`` §3):
-            ``"auto"`` (default: ``"fft"`` where it applies, else ``"sliced_conv"``;
-            ``docs/performance.md`` says why), ``"fft"`` (CUDA, float32, float16 or bfloat16,
+            ``"auto"`` (default: on CUDA ``"fft"`` where it applies, else ``"sliced_conv"``;
+            on the CPU ``"correlation"`` where it costs under a third of the convolution,
+            else ``"sliced_conv"``; ``docs/performance.md`` says why), ``"fft"`` (CUDA, float32, float16 or bfloat16,
             padding 0, any stride, dilation and output_padding: Parseval on the spectra of x
             and the weight, in float32, never forming the conv output), ``"direct"`` (our
             kernel, computes the conv output in registers and never stores it) or

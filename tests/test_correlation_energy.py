@@ -5,6 +5,7 @@ groups, kernels smaller than the stride) against PyTorch's modules in float64, o
 several steps; refused with a clear error, and nothing changed, where padding > 0."""
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from conftest import DEVICES, Problem, make_input, make_models, random_problems, relerr
 from test_fft_energy import FFT_PROBLEMS, STRIDED_FFT_PROBLEMS
@@ -68,3 +69,24 @@ def test_correlation_refuses_padding(device, conv_kwargs):
         fused(make_input(p, torch.float32, device))
     assert torch.equal(fused.batch_norm.running_var, before)
     assert int(fused.batch_norm.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("kernel, conv_kwargs, convolution", [
+    (2, dict(stride=2), False),        # kernel = stride: one lag, a quarter of the conv's work
+    (4, dict(stride=2), False),        # 27 lags, a fifth
+    (3, dict(), True),                 # stride 1: 125 lags, three times the conv's work
+    (2, dict(stride=2, padding=1), True),  # padding: not covered
+], ids=["up2", "st2", "k3", "padding"])
+def test_auto_on_cpu_takes_correlation_where_it_is_cheaper(kernel, conv_kwargs, convolution):
+    """CPU auto: correlation where its float64 GEMMs have under a third of the
+    convolution's multiply-adds (csrc/cpu/ct_bn_pool_cpu.cpp), else ATen's convolution."""
+    p = Problem(4, 16, 32, (8, 8, 8), (kernel,) * 3, conv_kwargs=conv_kwargs)
+    ref, fused = make_models(p, torch.float32, "cpu")
+    ref.train()
+    fused.train()
+    x = make_input(p, torch.float32, "cpu")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fused(x)
+    assert any("convolution" in e.name for e in prof.events()) == convolution
+    with torch.no_grad():
+        assert relerr(out, ref(x.double())) <= 1e-6

@@ -151,9 +151,16 @@ void finalize_cpu(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& o
   });
 }
 
-// oneDNN's convolution beats the direct loops on every CPU problem measured
-// (docs/performance.md), so it is the CPU's default.
-EnergyAlgo auto_energy_algo_cpu(const ConvGeometry&, at::ScalarType) {
+// oneDNN's convolution beats the direct loops on every CPU problem measured, and
+// the correlation path beats it where its float64 GEMMs have less than a third of the
+// convolution's multiply-adds (measured on 2 cores: 0.19 and 0.25 ran 2.0x and 1.4x
+// faster, 2.3 ran 8x slower; docs/performance.md).
+constexpr double kCpuCorrelationRatio = 1.0 / 3.0;
+
+EnergyAlgo auto_energy_algo_cpu(const ConvGeometry& g, at::ScalarType) {
+  if (!g.has_padding() && correlation_cost_ratio(g) < kCpuCorrelationRatio) {
+    return EnergyAlgo::Correlation;
+  }
   return EnergyAlgo::SlicedConv;
 }
 
