@@ -25,21 +25,9 @@ def sleep_cycles(us):
     return int(us * 1_000_000 / (start.elapsed_time(end) * 1e3))
 
 
-def event_ms(fn, inputs, cycles):
-    times = []
-    for i in range(CALLS * 2):
-        torch.cuda._sleep(cycles)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(inputs[i % len(inputs)])
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[CALLS:])
-
-
-def queued_event_ms(fn, inputs, cycles):
-    """As event_ms, with every call enqueued before the first completes (bench/'s loop)."""
+def event_ms(fn, inputs, cycles, queued=False):
+    """Median event time of a call, the first half of the calls left out as warm-up; the
+    host waits for each call, or (queued) enqueues them all first, as bench/'s loop does."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(CALLS * 2)]
     for i, (start, end) in enumerate(events):
@@ -47,6 +35,8 @@ def queued_event_ms(fn, inputs, cycles):
         start.record()
         fn(inputs[i % len(inputs)])
         end.record()
+        if not queued:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events[CALLS:])
 
@@ -70,7 +60,8 @@ def trace(fn, inputs, cycles):
         t0 = call[0].time_range.start
         for e in call:
             rows[e.name].append((e.time_range.start - t0, e.time_range.end - t0))
-    print(f"  {per_call} kernels a call; us from the first kernel's start, median over {CALLS} calls")
+    print(f"  {per_call} kernels a call; us from the first kernel's start, "
+          f"median over {CALLS} calls")
     for n, r in rows.items():
         print(f"  {n[:90]:90s} start {statistics.median(s for s, _ in r):7.2f}  "
               f"end {statistics.median(e for _, e in r):7.2f}")
@@ -88,7 +79,7 @@ def main():
         for us in (100, 300, 1000):
             print(f"  events, {us} us head start: {event_ms(m, xs, sleep_cycles(us)) * 1e3:.2f} us")
         print(f"  events, all calls queued (bench/'s loop), 140 us head start: "
-              f"{queued_event_ms(m, xs, sleep_cycles(140)) * 1e3:.2f} us")
+              f"{event_ms(m, xs, sleep_cycles(140), queued=True) * 1e3:.2f} us")
         # After a second of convolution at full power, as bench/ times the op after eager.
         conv = torch.nn.Conv3d(64, 128, 5, padding=2).cuda()
         start = torch.cuda.Event(enable_timing=True)
@@ -99,7 +90,7 @@ def main():
         end.record()
         torch.cuda.synchronize()
         print(f"  ({start.elapsed_time(end):.0f} ms of conv3d) then queued: "
-              f"{queued_event_ms(m, xs, sleep_cycles(140)) * 1e3:.2f} us, synced: "
+              f"{event_ms(m, xs, sleep_cycles(140), queued=True) * 1e3:.2f} us, synced: "
               f"{event_ms(m, xs, sleep_cycles(140)) * 1e3:.2f} us")
         static = xs[0].clone()
         graph = torch.cuda.CUDAGraph()

@@ -1058,6 +1058,22 @@ int main(int argc, char** argv) {
 
   // ---- V2: x-only pass leaving room for one finalize block per SM
   std::vector<std::string> occ_lines;
+  // V2's and V5's call: the x launch, then the finalize with PDL; traced (buffer 0) when
+  // `tr` is not null.
+  auto x_then_finalize = [&](Variant& v, auto xk, auto fk, unsigned grid, unsigned fgrid, int ft,
+                             int parts) {
+    auto run = [=, &params](int i, unsigned long long* tr) {
+      Params a = params(i, parts);
+      a.trace = tr;
+      xk<<<grid, T, 0, st>>>(a);
+      CK_LAUNCH();
+      launch_pdl(fk, dim3(fgrid), dim3(ft), st, a);
+    };
+    v.call = [run](int i) { run(i, nullptr); };
+    v.traced = [run](unsigned long long* tr) { run(0, tr); };
+    v.x_blocks = int(grid);
+    v.f_blocks = int(fgrid);
+  };
   auto add_v2 = [&](auto xk, auto fk, int ft, int u, const char* tag, bool room) {
     carve(xk);
     carve(fk);
@@ -1079,20 +1095,7 @@ int main(int argc, char** argv) {
     std::string name = std::string(tag) + " x items u" + std::to_string(u) + ", " + std::to_string(kx) +
                        "/SM; fin " + std::to_string(ft) + " thr, w before wait";
     Variant v{name, std::to_string(parts) + " items/row", xbytes + wbytes, true, nullptr};
-    v.call = [=, &params](int i) {
-      const Params a = params(i, parts);
-      xk<<<grid, T, 0, st>>>(a);
-      CK_LAUNCH();
-      launch_pdl(fk, dim3(CO), dim3(ft), st, a);
-    };
-    v.traced = [=, &params](unsigned long long* tr) {
-      Params a = params(0, parts);
-      a.trace = tr;
-      xk<<<grid, T, 0, st>>>(a);
-      CK_LAUNCH();
-      launch_pdl(fk, dim3(CO), dim3(ft), st, a);
-    };
-    v.x_blocks = int(grid);
+    x_then_finalize(v, xk, fk, grid, unsigned(CO), ft, parts);
     vs.push_back(v);
   };
   add_v2(x_items_kernel<4, 32>, finalize_pre_kernel<256, 8>, 256, 4, "V2", true);
@@ -1125,21 +1128,7 @@ int main(int argc, char** argv) {
                        "/SM; fin " + std::to_string(ft) + " thr " + std::to_string(nch) + " ch " +
                        std::to_string(fi.regs) + "r";
     Variant v{name, std::to_string(parts) + " items/row", xbytes + wbytes, true, nullptr};
-    v.call = [=, &params](int i) {
-      const Params a = params(i, parts);
-      xk<<<grid, T, 0, st>>>(a);
-      CK_LAUNCH();
-      launch_pdl(fk, dim3(fgrid), dim3(ft), st, a);
-    };
-    v.traced = [=, &params](unsigned long long* tr) {
-      Params a = params(0, parts);
-      a.trace = tr;
-      xk<<<grid, T, 0, st>>>(a);
-      CK_LAUNCH();
-      launch_pdl(fk, dim3(fgrid), dim3(ft), st, a);
-    };
-    v.x_blocks = int(grid);
-    v.f_blocks = int(fgrid);
+    x_then_finalize(v, xk, fk, grid, fgrid, ft, parts);
     vs.push_back(v);
   };
   // 256 threads under 32 registers (MINB 8) or 128 under 64: what 4 u8 or 7 u4 x blocks
