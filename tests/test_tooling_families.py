@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import fused_ops
-from conftest import (DEVICES, Problem, Reference, make_input, make_models, relerr,
-                      skip_unless_algo_covers)
+from conftest import (DEVICES, Problem, Reference, has_padding, make_input, make_models,
+                      relerr, skip_unless_algo_covers)
 
 BASE = dict(batch=2, in_channels=4, out_channels=6, size=(3, 4, 5), kernel=(2, 3, 2))
 FAMILIES = {
@@ -82,7 +82,7 @@ def export_and_run_once(module, x):
 
 def fft_applies(problem, device, dtype=torch.float32):
     return (torch.device(device).type == "cuda" and dtype != torch.float64
-            and problem.conv_kwargs.get("padding", 0) in (0, (0, 0, 0)))
+            and not has_padding(problem))
 
 
 def skip_unless_applies(problem, algo, device, dtype=torch.float32):
