@@ -53,7 +53,7 @@ CPU_PROBLEMS = {
 }
 DIM_NAMES = ("B", "Ci", "Co", "D", "H", "W", "k")
 MODES = ("eval", "train")
-ALGOS = ("auto", "fft", "direct", "sliced_conv", "correlation")
+ALGOS = ("auto", "fft", "direct", "sliced_conv", "correlation", "cross_spectrum")
 MEMORY_FORMATS = ("contiguous", "channels_last_3d")
 
 WARMUP_CALLS = 5

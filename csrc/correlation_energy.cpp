@@ -4,7 +4,6 @@
 // float64 throughout, ATen ops only, so it runs on every device; its cost grows
 // with Cig^2 times the number of lags, not with the output's size.
 #include <algorithm>
-#include <array>
 #include <vector>
 
 #include "phases.h"
@@ -14,30 +13,6 @@ namespace {
 
 // Bytes of the block-Toeplitz matrix's rows (sum_of_squares) gathered at once.
 constexpr int64_t kGatherBytes = int64_t(64) << 20;
-
-// The lags of the phases' sub-kernels: -(k' - 1) .. k' - 1 positions per dim.
-struct Lags {
-  int64_t reach[3];  // k' - 1
-  int64_t step[3];   // elements of x per position: the sub-kernel's dilation
-
-  explicit Lags(const ConvGeometry& sub) {
-    for (int d = 0; d < 3; ++d) {
-      reach[d] = sub.kernel[d] - 1;
-      step[d] = sub.dilation[d];
-    }
-  }
-  int64_t count() const { return (2 * reach[0] + 1) * (2 * reach[1] + 1) * (2 * reach[2] + 1); }
-  // Lag n (W fastest) in positions per dim.
-  std::array<int64_t, 3> operator()(int64_t n) const {
-    std::array<int64_t, 3> lag{};
-    for (int d = 2; d >= 0; --d) {
-      const int64_t width = 2 * reach[d] + 1;
-      lag[d] = n % width - reach[d];
-      n /= width;
-    }
-    return lag;
-  }
-};
 
 // R[g, n, i, j] = sum_b sum_o x[b, g Cig + i, o] x[b, g Cig + j, o + lag n], x taken
 // as 0 outside its extent: [G, lags, Cig, Cig] double. x is zero-padded so that no

@@ -74,6 +74,9 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
     case EnergyAlgo::Correlation:
       in.energy = energy_correlation(x, weight, in.sums, g);
       break;
+    case EnergyAlgo::CrossSpectrum:
+      in.energy = energy_cross_spectrum(backend, x, weight, in.sums, g);
+      break;
   }
 }
 

@@ -19,7 +19,7 @@ inline at::ScalarType compute_dtype(at::ScalarType input_dtype) {
 
 // How the within-sample sum of squares of the conv output is computed in
 // training mode (docs/math.md §3).
-enum class EnergyAlgo { Direct, SlicedConv, Fft, Correlation };
+enum class EnergyAlgo { Direct, SlicedConv, Fft, Correlation, CrossSpectrum };
 
 // The tensors behind SampleSums: x_red [B, Ci, J] and w_red [Ci, Cog, 1 or J], double
 // (w_red undefined where the finalize sums the weight itself: SampleSums::w_red null).
@@ -68,6 +68,13 @@ struct Backend {
   // and sums it itself (CUDA: while x is read, docs/performance.md).
   SampleSumTensors (*eval_sample_sums)(const at::Tensor& x, const at::Tensor& weight,
                                        const ConvGeometry& g);
+  // The cross-spectrum path's W stage (docs/math.md §3.5) for depth frequencies
+  // [fd0, fd0 + count) of x_spec [Ld, Lh, Lwf, B, Ci] (complex64 or complex128):
+  // Q[fd - fd0, fh, m, g, i, j] = sum_fw coef[fw, m] sum_b conj(X[f, b, g Cig + i]) X[f, b, g Cig + j]
+  // with the DC bin f = 0 left out, [count, Lh, M, G, Cig, Cig] complex128; coef [Lwf, M]
+  // complex128.
+  at::Tensor (*cross_spectrum_rows)(const at::Tensor& x_spec, int64_t fd0, int64_t count,
+                                    const at::Tensor& coef, int64_t groups);
 };
 
 // Device-independent pieces, written with ATen ops.
@@ -84,6 +91,14 @@ at::Tensor energy_correlation(const at::Tensor& x, const at::Tensor& weight,
 // Multiply-adds of energy_correlation's cross-correlation (float64 GEMMs over the
 // padded x) per multiply-add of the convolution (float32), docs/math.md §3.4.
 double correlation_cost_ratio(const ConvGeometry& g);
+// [1, Co, 1] double energy from x's cross-spectrum reduced to the phases' lags
+// (docs/math.md §3.5); padding 0. `sums`: x's padding-0 sample sums.
+at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
+                                 const at::Tensor& weight, const SampleSumTensors& sums,
+                                 const ConvGeometry& g);
+// Backend::cross_spectrum_rows with ATen's batched GEMMs (the CPU's).
+at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64_t count,
+                                    const at::Tensor& coef, int64_t groups);
 // The weight as the direct kernel reads it (see conv_transpose_point.h).
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);
 

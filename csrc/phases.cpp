@@ -80,4 +80,13 @@ at::Tensor phase_sample_sums(const at::Tensor& weight, const SampleSumTensors& s
   return at::einsum("bgi,giop->bgop", {x_sums, w_sums}).reshape({g.batch, g.out_channels, phases});
 }
 
+at::Tensor phase_sum_correction(const at::Tensor& weight, const SampleSumTensors& sums,
+                                const ConvGeometry& g, const ConvGeometry& sub,
+                                const at::Tensor& slots) {
+  const at::Tensor s = phase_sample_sums(weight, sums, g, sub, slots);  // [B, Co, P]
+  const double grid = static_cast<double>(sub.out_spatial());
+  const double real = static_cast<double>(g.out_spatial());
+  return s.square().sum(at::IntArrayRef{0, 2}).div_(grid).sub_(s.sum(2).square_().sum(0).div_(real));
+}
+
 }  // namespace fused_ops

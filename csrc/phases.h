@@ -2,9 +2,11 @@
 // A strided transposed convolution (or one with output padding) as a set of
 // stride-1 full convolutions of x with dense sub-kernels, its phases
 // (docs/math.md §3.3.1). Shared by the training-mode energies that work on
-// stride-1 problems: the FFT path (§3.3) and the correlation path (§3.4).
+// stride-1 problems: the FFT (§3.3), correlation (§3.4) and cross-spectrum (§3.5)
+// paths.
 #include <ATen/ATen.h>
 
+#include <array>
 #include <vector>
 
 #include "ct_bn_pool.h"
@@ -48,5 +50,37 @@ PhaseTaps phase_taps(const at::Tensor& weight, const ConvGeometry& g, const Conv
 at::Tensor phase_sample_sums(const at::Tensor& weight, const SampleSumTensors& sums,
                              const ConvGeometry& g, const ConvGeometry& sub,
                              const at::Tensor& slots);
+
+// The lags of the phases' sub-kernels: -(k' - 1) .. k' - 1 positions per dim
+// (docs/math.md §3.4), shared by every phase.
+struct Lags {
+  int64_t reach[3];  // k' - 1
+  int64_t step[3];   // elements of x per position: the sub-kernel's dilation
+
+  explicit Lags(const ConvGeometry& sub) {
+    for (int d = 0; d < 3; ++d) {
+      reach[d] = sub.kernel[d] - 1;
+      step[d] = sub.dilation[d];
+    }
+  }
+  int64_t count() const { return (2 * reach[0] + 1) * (2 * reach[1] + 1) * (2 * reach[2] + 1); }
+  // Lag n (W fastest) in positions per dim.
+  std::array<int64_t, 3> operator()(int64_t n) const {
+    std::array<int64_t, 3> lag{};
+    for (int d = 2; d >= 0; --d) {
+      const int64_t width = 2 * reach[d] + 1;
+      lag[d] = n % width - reach[d];
+      n /= width;
+    }
+    return lag;
+  }
+};
+
+// [Co] double: sum_b (sum_r S[b, r]^2 / |grid| - S[b]^2 / M), the terms that
+// turn the phases' energies (each centred on its own grid mean) into the
+// energy of the real output centred on the sample's mean (§3.3.1).
+at::Tensor phase_sum_correction(const at::Tensor& weight, const SampleSumTensors& sums,
+                                const ConvGeometry& g, const ConvGeometry& sub,
+                                const at::Tensor& slots);
 
 }  // namespace fused_ops

@@ -239,9 +239,16 @@ EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, cons
                       to_str(at::IntArrayRef(g.padding, 3)), " (use 'auto')");
     return EnergyAlgo::Correlation;
   }
+  if (algo == "cross_spectrum") {
+    TORCH_CHECK_VALUE(!g.has_padding(),
+                      "ct_bn_pool: algo='cross_spectrum' needs padding 0 (any stride, dilation "
+                      "and output_padding); got padding ",
+                      to_str(at::IntArrayRef(g.padding, 3)), " (use 'auto')");
+    return EnergyAlgo::CrossSpectrum;
+  }
   TORCH_CHECK_VALUE(false,
                     "ct_bn_pool: algo must be one of 'auto', 'fft', 'direct', 'sliced_conv', "
-                    "'correlation', got '",
+                    "'correlation', 'cross_spectrum', got '",
                     std::string(algo), "'");
   return EnergyAlgo::Direct;
 }

@@ -66,7 +66,9 @@ def ct_bn_pool(
         stride, padding, output_padding, dilation: ConvTranspose3d options, an int or 3 ints.
         groups: ConvTranspose3d groups.
         algo: how training mode gets the per-channel variance (``docs/math.md`` §3):
-            ``"auto"`` (default: on CUDA ``"fft"`` where it applies, else ``"sliced_conv"``;
+            ``"auto"`` (default: on CUDA, with a stride and padding 0, ``"cross_spectrum"``,
+            or ``"correlation"`` where every stride phase has one tap; otherwise ``"fft"``
+            where it applies, else ``"sliced_conv"``;
             on the CPU ``"correlation"`` where it costs under a third of the convolution,
             else ``"sliced_conv"``; ``docs/performance.md`` says why), ``"fft"`` (CUDA, float32, float16 or bfloat16,
             padding 0, any stride, dilation and output_padding: Parseval on the spectra of x
@@ -75,8 +77,12 @@ def ct_bn_pool(
             ``"sliced_conv"`` (ATen's convolution, TF32 off, over slices of the batch of at
             most 64 MiB of output) or ``"correlation"`` (any device and dtype, padding 0:
             x's channel cross-correlation at the few lags a strided kernel's phases span,
-            in float64; cheap where kernel / stride is small, ``docs/math.md`` §3.4). A
-            forced ``"fft"`` or ``"correlation"`` where it does not apply raises ValueError.
+            in float64; cheap where kernel / stride is small, ``docs/math.md`` §3.4) or
+            ``"cross_spectrum"`` (any device and dtype, padding 0: the same lags from x's
+            per-frequency channel cross-spectrum, contracted with the weight on a grid of
+            ``2k - 1`` per dim; its cost does not grow with C_out or the number of lags,
+            ``docs/math.md`` §3.5). A forced ``"fft"``, ``"correlation"`` or
+            ``"cross_spectrum"`` where it does not apply raises ValueError.
             Eval mode needs no convolution and ignores it.
         process_group: a ``torch.distributed`` ProcessGroup, or None (the default: this
             process's batch only). With a group and ``training=True`` the batch statistics

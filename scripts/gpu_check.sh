@@ -3,7 +3,7 @@
 # build against the machine's torch, run the CUDA tests, compute-sanitizer and
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
-#                        [backward] [memory-format] [eval-variants] [bench-strided]
+#                        [backward] [memory-format] [eval-variants] [bench-strided] [bench-train]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes).
 set -u -o pipefail
@@ -79,7 +79,15 @@ if want bench-strided; then
   # The strided problems in training with every algorithm that covers them (the auto rule
   # for strides rests on this; docs/performance.md).
   (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems st2,up2 --modes train --no-compile \
-    --algos auto,fft,sliced_conv,correlation --out "$OUT") 2>&1 | tee "$OUT/bench-strided.log" | tail -12 || status=1
+    --algos auto,fft,sliced_conv,correlation,cross_spectrum --out "$OUT/strided") 2>&1 | tee "$OUT/bench-strided.log" | tail -14 || status=1
+fi
+if want bench-train; then
+  step bench-train
+  # The stride-1 sweep in training with the FFT and cross-spectrum paths (the auto rule
+  # for stride 1 rests on this; docs/performance.md).
+  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,b64,c16,c128,s8,s32,k3,odd \
+    --modes train --no-compile --algos auto,fft,cross_spectrum --out "$OUT/train") 2>&1 |
+    tee "$OUT/bench-train.log" | tail -30 || status=1
 fi
 if want memory-format; then
   step memory-format

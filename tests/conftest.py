@@ -55,11 +55,11 @@ def has_padding(problem: Problem) -> bool:
 
 
 def skip_unless_algo_covers(problem: Problem, algo: str):
-    """algo='correlation' computes padding 0 only (tests/test_correlation_energy.py checks
-    the refusal); the other algorithms every problem these tests use ('fft': see
-    tests/test_tooling_families.py)."""
-    if algo == "correlation" and has_padding(problem):
-        pytest.skip("algo='correlation' covers padding 0 only")
+    """algo='correlation' and 'cross_spectrum' compute padding 0 only
+    (tests/test_correlation_paths.py checks the refusal); the other algorithms every problem
+    these tests use ('fft': see tests/test_tooling_families.py)."""
+    if algo in ("correlation", "cross_spectrum") and has_padding(problem):
+        pytest.skip(f"algo='{algo}' covers padding 0 only")
 
 
 def relerr(out, ref):

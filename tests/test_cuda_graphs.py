@@ -61,7 +61,7 @@ from test_tooling_families import FAMILIES, FunctionalModel, fft_applies  # noqa
 
 GRAPH_FAMILIES = [f for f in FAMILIES if FAMILIES[f].momentum is not None]
 GRAPH_MODES = [(False, "auto"), (True, "auto"), (True, "fft"), (True, "direct"),
-               (True, "sliced_conv"), (True, "correlation")]
+               (True, "sliced_conv"), (True, "correlation"), (True, "cross_spectrum")]
 
 
 def assert_same_state(fused, ref):

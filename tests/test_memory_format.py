@@ -84,7 +84,7 @@ def test_eval_view_matches_contiguous(view, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv", "correlation"])
+@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv", "correlation", "cross_spectrum"])
 @pytest.mark.parametrize("view", VIEWS)
 def test_train_view_matches_contiguous(view, algo, device):
     check_call(P, view, torch.float32, device, training=True, algo=algo)

@@ -14,12 +14,12 @@
 
 #include "cuda/fft_energy.h"
 #include "phases.h"
+#include "x_spectrum.h"
 
 namespace fused_ops {
 namespace {
 
-// Bytes of x's spectrum computed per ATen FFT call, and of weight spectrum per chunk.
-constexpr int64_t kFftSliceBytes = int64_t(32) << 20;
+// Bytes of the weight's spectrum per chunk.
 constexpr int64_t kWeightChunkBytes = int64_t(48) << 20;
 // Shared memory a block may use on the GPUs this is built for (sm_80 and later).
 constexpr int64_t kMaxSmemBytes = 160 << 10;
@@ -30,21 +30,6 @@ bool is_full_convolution(const ConvGeometry& g) {
     if (g.stride[d] != 1 || g.padding[d] != 0 || g.output_padding[d] != 0) return false;
   }
   return true;
-}
-
-// x's spectrum at the grid size, as [Ld, Lh, Lwf, B, Ci]: one frequency's
-// [B, Ci] matrix contiguous.
-at::Tensor x_spectrum(const at::Tensor& x, const ConvGeometry& sub, const SpectrumGeometry& s) {
-  auto x_spec = at::empty({s.L[0], s.L[1], s.Lwf, sub.batch, sub.in_channels},
-                          x.options().dtype(at::kComplexFloat));
-  const int64_t sample_bytes = s.L[0] * s.pairs() * sub.in_channels * 8;
-  const int64_t slice = std::max<int64_t>(1, kFftSliceBytes / sample_bytes);
-  for (int64_t b0 = 0; b0 < sub.batch; b0 += slice) {
-    const int64_t n = std::min(slice, sub.batch - b0);
-    auto spec = at::fft_rfftn(x.narrow(0, b0, n), at::IntArrayRef(s.L, 3), {2, 3, 4});
-    x_spec.narrow(3, b0, n).copy_(spec.permute({2, 3, 4, 0, 1}));
-  }
-  return x_spec;
 }
 
 // Writes energy [1, Co, Lh * Lwf] (double) for the stride-1 full convolution
@@ -62,18 +47,6 @@ void grid_energy(const at::Tensor& x_spec, const at::Tensor& weight, const ConvG
     weight_spectrum_cuda(weight, sub, s, fh0, count, w_spec);
     spectral_energy_cuda(x_spec, w_spec, sub, s, fh0, count, energy);
   }
-}
-
-// [Co] double: sum_b (sum_r S[b, r]^2 / |grid| - S[b]^2 / M), the terms that
-// turn the phases' energies (each centred on its own grid mean) into the
-// energy of the real output centred on the sample's mean (§3.3.1).
-at::Tensor phase_sum_correction(const at::Tensor& weight, const SampleSumTensors& sums,
-                                const ConvGeometry& g, const ConvGeometry& sub,
-                                const at::Tensor& slots) {
-  const at::Tensor s = phase_sample_sums(weight, sums, g, sub, slots);  // [B, Co, P]
-  const double grid = static_cast<double>(sub.out_spatial());
-  const double real = static_cast<double>(g.out_spatial());
-  return s.square().sum(at::IntArrayRef{0, 2}).div_(grid).sub_(s.sum(2).square_().sum(0).div_(real));
 }
 
 // The phases' energies summed, plus the correction: [1, Co, 1] (§3.3.1).
@@ -112,7 +85,7 @@ at::Tensor energy_fft_cuda(const at::Tensor& x, const at::Tensor& weight,
   SpectrumGeometry s;
   for (int d = 0; d < 3; ++d) s.L[d] = sub.out_size[d];
   s.Lwf = s.L[2] / 2 + 1;
-  const at::Tensor x_spec = x_spectrum(x, sub, s);
+  const at::Tensor x_spec = x_spectrum(x, s.L);
   if (!is_full_convolution(g)) return polyphase_energy(x_spec, weight, sums, g, sub, s);
   auto energy = at::empty({1, g.out_channels, s.pairs()}, x.options().dtype(at::kDouble));
   grid_energy(x_spec, weight, sub, s, energy);

@@ -44,5 +44,9 @@ void eval_finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Ten
 at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& packed_weight,
                               const SampleSumTensors& sums, const ConvGeometry& g);
 void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
+// Backend::cross_spectrum_rows (docs/math.md §3.5): cross_spectrum.cu, one block per
+// (fd, fh) row and tile of (i, j) pairs, the W stage applied as each fw's matrix is made.
+at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count,
+                                    const at::Tensor& coef, int64_t groups);
 
 }  // namespace fused_ops

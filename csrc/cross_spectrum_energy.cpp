@@ -1,0 +1,154 @@
+// The cross-spectrum path of the training-mode energy (docs/math.md §3.5): x's
+// channel cross-correlation R at the lags the phases' sub-kernels span, computed
+// from x's spectrum as the per-frequency matrix sum_b X^H X reduced to those lags
+// one dim at a time, then contracted with the sub-kernels on a grid of
+// 2k' - 1 positions per dim. Its cost grows with Cig^2 and x's spectrum, not
+// with the output channels or the number of lags.
+#include <ATen/Context.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "phases.h"
+#include "x_spectrum.h"
+
+namespace fused_ops {
+namespace {
+
+// Bytes of the W-stage's output (Q, complex128) per chunk of depth frequencies,
+// and of the sub-kernels' spectra per chunk of output channels.
+constexpr int64_t kRowsBytes = int64_t(48) << 20;
+constexpr int64_t kWeightBytes = int64_t(32) << 20;
+
+// [n, count] complex128 on `opts`' device: exp(2 pi i f step m / size) for
+// frequencies f < n and lags m = first .. first + count - 1. The angle is reduced
+// modulo size in integers first, so it is exact however large f m gets.
+at::Tensor lag_phases(int64_t size, int64_t n, int64_t step, int64_t first, int64_t count,
+                      const at::TensorOptions& opts) {
+  const at::Tensor f = at::arange(n, opts.dtype(at::kLong)).unsqueeze(1);
+  const at::Tensor m = at::arange(first, first + count, opts.dtype(at::kLong)).unsqueeze(0);
+  const at::Tensor turns = at::remainder(f * m * step, size).to(at::kDouble);
+  const at::Tensor angle = turns.mul_(2 * M_PI / static_cast<double>(size));
+  return at::polar(at::ones_like(angle), angle);
+}
+
+// The W stage's coefficients: lag_phases for lags 0 .. reach, each bin counted
+// for itself and its mirror (x: twice) except 0 and, for an even size, size / 2.
+at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::TensorOptions& opts) {
+  const int64_t bins = size / 2 + 1;
+  auto mirror = at::full({bins, 1}, 2.0, opts.dtype(at::kDouble));
+  mirror[0].fill_(1.0);
+  if (size % 2 == 0) mirror[bins - 1].fill_(1.0);
+  return lag_phases(size, bins, lags.step[2], 0, lags.reach[2] + 1, opts).mul_(mirror);
+}
+
+// R[m_d, m_h, m_w, g, i, j] for m_d, m_h in -reach .. reach and m_w in 0 .. reach_w,
+// [2ρd+1, 2ρh+1, ρw+1, G, Cig, Cig] double, with the DC bin left out: x's
+// cross-correlation centred on its grid mean (§3.5). The W stage comes from the
+// backend for a chunk of depth frequencies at a time, the H and D stages are
+// complex128 GEMMs.
+at::Tensor half_correlation(const Backend& backend, const at::Tensor& x_spec, const int64_t grid[3],
+                            const Lags& lags, int64_t groups) {
+  const at::NoTF32Guard exact;
+  const int64_t cig = x_spec.size(4) / groups, entries = groups * cig * cig;
+  const at::TensorOptions opts = x_spec.options();
+  const at::Tensor coef_w = w_stage_coefficients(grid[2], lags, opts);
+  const at::Tensor coef_h =
+      lag_phases(grid[1], grid[1], lags.step[1], -lags.reach[1], 2 * lags.reach[1] + 1, opts);
+  const at::Tensor coef_d =
+      lag_phases(grid[0], grid[0], lags.step[0], -lags.reach[0], 2 * lags.reach[0] + 1, opts);
+  const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1);
+  const int64_t fd_bytes = grid[1] * mw * entries * 16;
+  const int64_t chunk = std::clamp<int64_t>(kRowsBytes / fd_bytes, 1, grid[0]);
+  auto r = at::zeros({md, mh * mw * entries}, coef_d.options());
+  for (int64_t fd0 = 0; fd0 < grid[0]; fd0 += chunk) {
+    const int64_t n = std::min(chunk, grid[0] - fd0);
+    const at::Tensor q = backend.cross_spectrum_rows(x_spec, fd0, n, coef_w, groups);
+    const at::Tensor p = at::matmul(coef_h.t(), q.view({n, grid[1], mw * entries}));
+    r.addmm_(coef_d.narrow(0, fd0, n).t(), p.view({n, mh * mw * entries}));
+  }
+  const double size = static_cast<double>(grid[0] * grid[1] * grid[2]);
+  return at::real(r).div(size).view({md, mh, mw, groups, cig, cig});
+}
+
+// All lags, [2ρd+1, 2ρh+1, 2ρw+1, G, Cig, Cig]: R(m)[i, j] = R(-m)[j, i] gives m_w < 0.
+at::Tensor full_correlation(const at::Tensor& half, const Lags& lags) {
+  const at::Tensor mirrored = half.narrow(2, 1, lags.reach[2]).flip({0, 1, 2}).transpose(-1, -2);
+  return at::cat({mirrored, half}, 2);
+}
+
+// [G, Cog] double: sum over the phases r of sum_{m, m'} w_r[:, c, m]^T R(m - m') w_r[:, c, m'],
+// as (1 / |M|) sum_g W_r(g)^H R^(g) W_r(g) on the grid M = 2k' - 1 per dim, where both
+// DFTs are exact (§3.5). stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] double,
+// so that their DFT comes out with a frequency's [Cig, P Cog] matrix contiguous.
+at::Tensor phase_energies(const at::Tensor& r, const at::Tensor& stack) {
+  const int64_t small[3] = {r.size(0), r.size(1), r.size(2)};
+  const int64_t groups = stack.size(3), cig = stack.size(4), phases = stack.size(5),
+                cog = stack.size(6);
+  const at::Tensor r_hat = at::fft_rfftn(at::fft_ifftshift(r, at::IntArrayRef{0, 1, 2}),
+                                         c10::nullopt, at::IntArrayRef{0, 1, 2});
+  const int64_t bins = r_hat.size(0) * r_hat.size(1) * r_hat.size(2);
+  auto mirror = at::full({1, 1, r_hat.size(2), 1, 1}, 2.0, stack.options());  // M_w odd: no Nyquist bin
+  mirror.select(2, 0).fill_(1.0);
+  const int64_t channel_bytes = bins * groups * cig * phases * 16;
+  const int64_t chunk = std::clamp<int64_t>(kWeightBytes / channel_bytes, 1, cog);
+  auto energy = at::empty({groups, phases, cog}, stack.options());
+  for (int64_t c0 = 0; c0 < cog; c0 += chunk) {
+    const int64_t n = std::min(chunk, cog - c0);
+    const at::Tensor w_hat =  // [Md, Mh, Mwf, G, Cig, P n]
+        at::fft_rfftn(stack.narrow(6, c0, n), at::IntArrayRef(small, 3), at::IntArrayRef{0, 1, 2})
+            .reshape({r_hat.size(0), r_hat.size(1), r_hat.size(2), groups, cig, phases * n});
+    // Re(conj(W) . (R^ W)) summed over Cig, as real products: no conjugated copy.
+    const at::Tensor quad =
+        at::mul(at::view_as_real(w_hat), at::view_as_real(at::matmul(r_hat, w_hat)))
+            .sum(at::IntArrayRef{4, 6});
+    energy.narrow(2, c0, n).copy_(
+        quad.mul_(mirror).sum(at::IntArrayRef{0, 1, 2}).view({groups, phases, n}));
+  }
+  const double size = static_cast<double>(small[0] * small[1] * small[2]);
+  return energy.sum(1).div_(size);
+}
+
+}  // namespace
+
+at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64_t count,
+                                    const at::Tensor& coef, int64_t groups) {
+  const at::NoTF32Guard exact;
+  const int64_t lh = x_spec.size(1), lwf = x_spec.size(2), batch = x_spec.size(3);
+  const int64_t cig = x_spec.size(4) / groups;
+  const at::Tensor xs =  // [count, Lh, Lwf, G, B, Cig]
+      x_spec.narrow(0, fd0, count).view({count, lh, lwf, batch, groups, cig}).transpose(3, 4);
+  // conj_physical: with a lazy conj view, the first call under
+  // torch.compile on the CPU (torch 2.14) returned wrong values (tests/test_tooling_families.py).
+  at::Tensor s = at::matmul(xs.conj_physical().transpose(-1, -2), xs);  // [count, Lh, Lwf, G, Cig, Cig]
+  if (fd0 == 0) s[0][0][0].zero_();  // the DC bin is left out (§3.5)
+  const at::Tensor q =
+      at::matmul(coef.to(s.scalar_type()).t(), s.reshape({count * lh, lwf, groups * cig * cig}));
+  return q.to(at::kComplexDouble).view({count, lh, coef.size(1), groups, cig, cig});
+}
+
+at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
+                                 const at::Tensor& weight, const SampleSumTensors& sums,
+                                 const ConvGeometry& g) {
+  const ConvGeometry sub = phase_geometry(g);
+  const Lags lags(sub);
+  at::Tensor r;
+  {  // x's spectrum is freed before the contraction
+    const at::Tensor x_spec = x_spectrum(x, sub.out_size);
+    r = full_correlation(half_correlation(backend, x_spec, sub.out_size, lags, g.groups), lags);
+  }
+  const at::Tensor slots = tap_slots(g, sub, weight.options().dtype(at::kLong));
+  const int64_t cig = g.in_group_channels(), cog = g.out_group_channels();
+  const at::Tensor stack = phase_taps(weight, g, sub, slots)  // [k'd, k'h, k'w, G, Cig, P, Cog]
+                               .all()
+                               .to(at::kDouble)
+                               .view({g.groups, cig, cog, phase_count(g), sub.kernel[0],
+                                      sub.kernel[1], sub.kernel[2]})
+                               .permute({4, 5, 6, 0, 1, 3, 2})
+                               .contiguous();
+  const at::Tensor energy = phase_energies(r, stack).view({g.out_channels});
+  return energy.add(phase_sum_correction(weight, sums, g, sub, slots))
+      .view({1, g.out_channels, 1});
+}
+
+}  // namespace fused_ops

@@ -1,0 +1,15 @@
+#pragma once
+// x's spectrum on a grid larger than x (zero-padded), in the layout the
+// training-mode energies that multiply per frequency read: one frequency's
+// [B, Ci] matrix contiguous. Shared by the FFT path (docs/math.md §3.3) and
+// the cross-spectrum path (§3.5).
+#include <ATen/ATen.h>
+
+namespace fused_ops {
+
+// [Ld, Lh, Lw / 2 + 1, B, Ci]: rfftn of x [B, Ci, D, H, W] (any layout) at size
+// grid = (Ld, Lh, Lw) >= (D, H, W), complex64 for float32 x, complex128 for
+// float64. Computed over slices of the batch so the FFT's temporaries stay small.
+at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3]);
+
+}  // namespace fused_ops

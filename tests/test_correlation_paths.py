@@ -1,0 +1,152 @@
+"""The training paths built on x's channel cross-correlation at the phases' lags
+(docs/math.md §3.4, §3.5): `correlation` (the lags by GEMMs over x, in float64) and
+`cross_spectrum` (the lags from x's per-frequency cross-spectrum, contracted on a small
+grid), on any device. Forced on the problems they cover (every padding-0 configuration:
+strides, dilation, output padding, groups, kernels smaller than the stride) against
+PyTorch's modules in float64, over several steps; refused with a clear error, and nothing
+changed, where padding > 0."""
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import DEVICES, Problem, make_input, make_models, random_problems, relerr
+from test_fft_energy import FFT_PROBLEMS, STRIDED_FFT_PROBLEMS
+
+# The FFT path's problems (every padding-0 family, two passes of its tiles, the seed
+# problem's channels) and a few where the correlation's lags are few: kernel = stride.
+PROBLEMS = FFT_PROBLEMS + STRIDED_FFT_PROBLEMS + [
+    Problem(3, 5, 7, (4, 5, 3), (2, 2, 2), conv_kwargs=dict(stride=2)),  # one lag
+    Problem(2, 6, 8, (3, 4, 5), (4, 2, 3), conv_kwargs=dict(stride=(2, 2, 3), groups=2)),
+    Problem(1, 3, 4, (1, 1, 1), (3, 3, 3), conv_kwargs=dict(stride=2)),  # one input position
+    # cross_spectrum.cu: 40 channels (two 32-wide tiles, the second partial) and 10 W lags
+    # from 0 on (two launches of 8); several chunks of depth frequencies.
+    Problem(2, 40, 24, (3, 4, 5), (2, 2, 10)),
+    Problem(1, 64, 8, (40, 20, 20), (3, 3, 3)),
+] + random_problems(6, seed=11, conv_kwargs=dict(stride=(1, 2, 2), dilation=(2, 1, 1)))
+TOL = {torch.float32: 1e-6, torch.float64: 1e-10}
+ALGOS = ["correlation", "cross_spectrum"]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("problem", PROBLEMS, ids=Problem.ids)
+def test_matches_reference_over_steps(problem, device, dtype, algo):
+    ref, fused = make_models(problem, dtype, device, algo=algo)
+    with torch.no_grad():
+        out = ref.conv_transpose(make_input(problem, torch.float64))
+    if out.shape[0] * out[0, 0].numel() == 1:
+        pytest.skip("one value per channel: training is refused (tests/test_errors.py)")
+    ref.train()
+    fused.train()
+    for _ in range(3):
+        x = make_input(problem, dtype, device)
+        with torch.no_grad():
+            out = fused(x)
+            expected = ref(x.double().cpu())
+        assert relerr(out, expected) <= TOL[dtype]
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name),
+                      getattr(ref.batch_norm, name)) <= TOL[dtype], name
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("conv_kwargs", [dict(), dict(stride=2), dict(stride=2, kernel_size=2),
+                                         dict(stride=(2, 1, 3), output_padding=(1, 0, 2))],
+                         ids=str)
+def test_survives_a_large_offset(device, conv_kwargs, algo):
+    """correlation subtracts the mean in float64 from a float64 sum of squares (§3.4): an
+    offset 50 times the spread leaves about 2500 x 1e-16 of it. cross_spectrum never forms
+    the uncentred sum: the DC bin is left out of the float32 cross-spectrum (§3.5)."""
+    conv_kwargs = dict(conv_kwargs)
+    kernel = conv_kwargs.pop("kernel_size", 3)
+    p = Problem(4, 6, 10, (5, 6, 7), (kernel,) * 3, conv_kwargs=conv_kwargs)
+    ref, fused = make_models(p, torch.float32, device, algo=algo)
+    x = make_input(p, torch.float32, device) + 50.0
+    with torch.no_grad():
+        assert relerr(fused(x), ref(x.double().cpu())) <= 1e-6
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("conv_kwargs", [dict(padding=1), dict(stride=2, padding=(0, 1, 0))],
+                         ids=str)
+def test_refuses_padding(device, conv_kwargs, algo):
+    p = Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=conv_kwargs)
+    _, fused = make_models(p, torch.float32, device, algo=algo)
+    before = fused.batch_norm.running_var.clone()
+    with pytest.raises(ValueError, match=f"algo='{algo}' needs padding 0"):
+        fused(make_input(p, torch.float32, device))
+    assert torch.equal(fused.batch_norm.running_var, before)
+    assert int(fused.batch_norm.num_batches_tracked) == 0
+
+
+@pytest.mark.parametrize("kernel, conv_kwargs, convolution", [
+    (2, dict(stride=2), False),        # kernel = stride: one lag, a quarter of the conv's work
+    (4, dict(stride=2), False),        # 27 lags, a fifth
+    (3, dict(), True),                 # stride 1: 125 lags, three times the conv's work
+    (2, dict(stride=2, padding=1), True),  # padding: not covered
+], ids=["up2", "st2", "k3", "padding"])
+def test_auto_on_cpu_takes_correlation_where_it_is_cheaper(kernel, conv_kwargs, convolution):
+    """CPU auto: correlation where its float64 GEMMs have under a third of the
+    convolution's multiply-adds (csrc/cpu/ct_bn_pool_cpu.cpp), else ATen's convolution."""
+    p = Problem(4, 16, 32, (8, 8, 8), (kernel,) * 3, conv_kwargs=conv_kwargs)
+    ref, fused = make_models(p, torch.float32, "cpu")
+    ref.train()
+    fused.train()
+    x = make_input(p, torch.float32, "cpu")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = fused(x)
+    assert any("convolution" in e.name for e in prof.events()) == convolution
+    with torch.no_grad():
+        assert relerr(out, ref(x.double())) <= 1e-6
+
+
+CUDA_AUTO_CASES = [
+    (4, dict(stride=2), "cross_spectrum_kernel"),  # st2: 27 lags from the cross-spectrum
+    (2, dict(stride=2), None),                     # up2: one lag, the Gram matrix (correlation)
+    (3, dict(), "spectral_energy_kernel"),         # stride 1: Parseval (fft)
+    (2, dict(stride=2, padding=1), None),          # padding: cuDNN over slices (sliced_conv)
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel, conv_kwargs, expected_kernel", CUDA_AUTO_CASES,
+                         ids=["st2", "up2", "k3", "padding"])
+def test_auto_on_cuda_takes_the_measured_fastest(kernel, conv_kwargs, expected_kernel):
+    """CUDA auto (csrc/cuda/ct_bn_pool_cuda.cpp, docs/performance.md): with a stride and
+    padding 0 the cross-spectrum, or the correlation's single GEMM when every phase has
+    one tap; at stride 1 the FFT path; with padding cuDNN's convolution."""
+    p = Problem(4, 16, 32, (8, 8, 8), (kernel,) * 3, conv_kwargs=conv_kwargs)
+    ref, fused = make_models(p, torch.float32, "cuda")
+    ref.train()
+    fused.train()
+    x = make_input(p, torch.float32, "cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = fused(x)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    ours = [n for n in ("cross_spectrum_kernel", "spectral_energy_kernel")
+            if any(n in name for name in names)]
+    assert ours == ([expected_kernel] if expected_kernel else [])
+    assert any("convolution" in name for name in names) == ("padding" in conv_kwargs)
+    with torch.no_grad():
+        assert relerr(out, ref(x.double().cpu())) <= 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("algo", ALGOS)
+def test_no_host_sync_on_cuda(algo):
+    """Every table (phases, lags, sub-kernels) is built on the device: nothing waits."""
+    p = Problem(3, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(stride=(2, 1, 3)))
+    _, fused = make_models(p, torch.float32, "cuda", algo=algo)
+    x = make_input(p, torch.float32, "cuda")
+    with torch.no_grad():
+        fused(x)  # warm-up: cuFFT plans, cuBLAS handles, allocator
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fused(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
