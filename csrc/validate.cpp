@@ -232,19 +232,11 @@ EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, cons
                       to_str(at::IntArrayRef(g.dilation, 3)), " (use 'auto')");
     return EnergyAlgo::Fft;
   }
-  if (algo == "correlation") {
-    TORCH_CHECK_VALUE(!g.has_padding(),
-                      "ct_bn_pool: algo='correlation' needs padding 0 (any stride, dilation and "
-                      "output_padding); got padding ",
+  if (algo == "correlation" || algo == "cross_spectrum") {  // both count x's lags (§3.4, §3.5)
+    TORCH_CHECK_VALUE(!g.has_padding(), "ct_bn_pool: algo='", std::string(algo),
+                      "' needs padding 0 (any stride, dilation and output_padding); got padding ",
                       to_str(at::IntArrayRef(g.padding, 3)), " (use 'auto')");
-    return EnergyAlgo::Correlation;
-  }
-  if (algo == "cross_spectrum") {
-    TORCH_CHECK_VALUE(!g.has_padding(),
-                      "ct_bn_pool: algo='cross_spectrum' needs padding 0 (any stride, dilation "
-                      "and output_padding); got padding ",
-                      to_str(at::IntArrayRef(g.padding, 3)), " (use 'auto')");
-    return EnergyAlgo::CrossSpectrum;
+    return algo == "correlation" ? EnergyAlgo::Correlation : EnergyAlgo::CrossSpectrum;
   }
   TORCH_CHECK_VALUE(false,
                     "ct_bn_pool: algo must be one of 'auto', 'fft', 'direct', 'sliced_conv', "

@@ -138,3 +138,16 @@ def twin_modules(p: Problem, dtype, device, training):
     _, b = make_models(p, dtype, device)
     b.load_state_dict(a.state_dict())
     return a.train(training), b.train(training)
+
+
+def assert_no_host_sync(fused, x):
+    """A second call of fused(x) (the first makes cuFFT plans, cuBLAS handles, allocations)
+    never waits for the GPU: torch.cuda's sync debug mode raises if it does."""
+    with torch.no_grad():
+        fused(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fused(x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import DEVICES, Problem, make_input, make_models, random_problems, relerr
+from conftest import (DEVICES, Problem, assert_no_host_sync, make_input, make_models,
+                      random_problems, relerr)
 from test_fft_energy import FFT_PROBLEMS, STRIDED_FFT_PROBLEMS
 
 # The FFT path's problems (every padding-0 family, two passes of its tiles, the seed
@@ -141,12 +142,4 @@ def test_no_host_sync_on_cuda(algo):
     """Every table (phases, lags, sub-kernels) is built on the device: nothing waits."""
     p = Problem(3, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(stride=(2, 1, 3)))
     _, fused = make_models(p, torch.float32, "cuda", algo=algo)
-    x = make_input(p, torch.float32, "cuda")
-    with torch.no_grad():
-        fused(x)  # warm-up: cuFFT plans, cuBLAS handles, allocator
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            fused(x)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    assert_no_host_sync(fused, make_input(p, torch.float32, "cuda"))

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import Problem, make_input, make_models, random_problems, relerr
+from conftest import (Problem, assert_no_host_sync, make_input, make_models, random_problems,
+                      relerr)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -90,15 +91,7 @@ def test_fft_survives_a_large_offset(conv_kwargs):
 def test_fft_has_no_host_sync_with_a_stride():
     p = Problem(3, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(stride=(2, 1, 3)))
     _, fused = make_models(p, torch.float32, "cuda", algo="fft")
-    x = make_input(p, torch.float32, "cuda")
-    with torch.no_grad():
-        fused(x)  # warm-up: cuFFT plans, allocator
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            fused(x)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    assert_no_host_sync(fused, make_input(p, torch.float32, "cuda"))
 
 
 @cuda

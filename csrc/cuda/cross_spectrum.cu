@@ -3,7 +3,8 @@
 // the lags m_w the sub-kernels span, Q[m] = sum_fw coef[fw, m] S_f, so S_f is never
 // stored. A block owns one (fd, fh) row and a tile of (i, j) pairs and walks the
 // row's fw; each thread keeps R x R adjacent entries of S_f and their Q for kLags lags
-// in registers (more lags: one launch per kLags of them, each recomputing S_f).
+// in registers (more than kMaxLags lags: one launch per kMaxLags of them, each
+// recomputing S_f).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
