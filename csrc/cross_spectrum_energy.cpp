@@ -32,14 +32,22 @@ at::Tensor lag_phases(int64_t size, int64_t n, int64_t step, int64_t first, int6
   return at::polar(at::ones_like(angle), angle);
 }
 
-// The W stage's coefficients: lag_phases for lags 0 .. reach, each bin counted
-// for itself and its mirror (x: twice) except 0 and, for an even size, size / 2.
+// [size / 2 + 1] double: how many bins of a real signal's full DFT of that size each
+// kept bin of its real FFT stands for: 2 (itself and its mirror) except bin 0 and,
+// for an even size, size / 2.
+at::Tensor mirror_count(int64_t size, const at::TensorOptions& opts) {
+  const int64_t bins = size / 2 + 1;
+  auto count = at::full({bins}, 2.0, opts.dtype(at::kDouble));
+  count[0].fill_(1.0);
+  if (size % 2 == 0) count[bins - 1].fill_(1.0);
+  return count;
+}
+
+// The W stage's coefficients: lag_phases for lags 0 .. reach, weighted by mirror_count.
 at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::TensorOptions& opts) {
   const int64_t bins = size / 2 + 1;
-  auto mirror = at::full({bins, 1}, 2.0, opts.dtype(at::kDouble));
-  mirror[0].fill_(1.0);
-  if (size % 2 == 0) mirror[bins - 1].fill_(1.0);
-  return lag_phases(size, bins, lags.step[2], 0, lags.reach[2] + 1, opts).mul_(mirror);
+  return lag_phases(size, bins, lags.step[2], 0, lags.reach[2] + 1, opts)
+      .mul_(mirror_count(size, opts).unsqueeze(1));
 }
 
 // R[m_d, m_h, m_w, g, i, j] for m_d, m_h in -reach .. reach and m_w in 0 .. reach_w,
@@ -49,7 +57,6 @@ at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::Tensor
 // complex128 GEMMs.
 at::Tensor half_correlation(const Backend& backend, const at::Tensor& x_spec, const int64_t grid[3],
                             const Lags& lags, int64_t groups) {
-  const at::NoTF32Guard exact;
   const int64_t cig = x_spec.size(4) / groups, entries = groups * cig * cig;
   const at::TensorOptions opts = x_spec.options();
   const at::Tensor coef_w = w_stage_coefficients(grid[2], lags, opts);
@@ -88,8 +95,7 @@ at::Tensor phase_energies(const at::Tensor& r, const at::Tensor& stack) {
   const at::Tensor r_hat = at::fft_rfftn(at::fft_ifftshift(r, at::IntArrayRef{0, 1, 2}),
                                          c10::nullopt, at::IntArrayRef{0, 1, 2});
   const int64_t bins = r_hat.size(0) * r_hat.size(1) * r_hat.size(2);
-  auto mirror = at::full({1, 1, r_hat.size(2), 1, 1}, 2.0, stack.options());  // M_w odd: no Nyquist bin
-  mirror.select(2, 0).fill_(1.0);
+  const at::Tensor mirror = mirror_count(small[2], stack.options()).view({1, 1, -1, 1, 1});
   const int64_t channel_bytes = bins * groups * cig * phases * 16;
   const int64_t chunk = std::clamp<int64_t>(kWeightBytes / channel_bytes, 1, cog);
   auto energy = at::empty({groups, phases, cog}, stack.options());
@@ -138,12 +144,8 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
     r = full_correlation(half_correlation(backend, x_spec, sub.out_size, lags, g.groups), lags);
   }
   const at::Tensor slots = tap_slots(g, sub, weight.options().dtype(at::kLong));
-  const int64_t cig = g.in_group_channels(), cog = g.out_group_channels();
   const at::Tensor stack = phase_taps(weight, g, sub, slots)  // [k'd, k'h, k'w, G, Cig, P, Cog]
-                               .all()
-                               .to(at::kDouble)
-                               .view({g.groups, cig, cog, phase_count(g), sub.kernel[0],
-                                      sub.kernel[1], sub.kernel[2]})
+                               .stack(g, sub)
                                .permute({4, 5, 6, 0, 1, 3, 2})
                                .contiguous();
   const at::Tensor energy = phase_energies(r, stack).view({g.out_channels});

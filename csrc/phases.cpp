@@ -55,6 +55,11 @@ at::Tensor PhaseTaps::sub_kernel(int64_t r) const {
 
 at::Tensor PhaseTaps::all() const { return taps.index_select(1, source); }
 
+at::Tensor PhaseTaps::stack(const ConvGeometry& g, const ConvGeometry& sub) const {
+  return all().to(at::kDouble).view({g.groups, g.in_group_channels(), g.out_group_channels(),
+                                     phase_count(g), sub.kernel[0], sub.kernel[1], sub.kernel[2]});
+}
+
 PhaseTaps phase_taps(const at::Tensor& weight, const ConvGeometry& g, const ConvGeometry& sub,
                      const at::Tensor& slots) {
   PhaseTaps p;

@@ -40,6 +40,8 @@ struct PhaseTaps {
   at::Tensor sub_kernel(int64_t r) const;
   // Every phase's, [Ci * Cog, P * positions].
   at::Tensor all() const;
+  // Every phase's in float64, [G, Cig, Cog, P, k'd, k'h, k'w].
+  at::Tensor stack(const ConvGeometry& g, const ConvGeometry& sub) const;
 };
 PhaseTaps phase_taps(const at::Tensor& weight, const ConvGeometry& g, const ConvGeometry& sub,
                      const at::Tensor& slots);

@@ -80,10 +80,7 @@ bool fft_applies_cuda(const ConvGeometry& g, at::ScalarType dtype) {
 
 // Whether every phase's sub-kernel is a single tap (kernel <= stride, no dilation
 // beyond it): one lag, R is x's channel Gram matrix (docs/math.md §3.4).
-bool single_lag(const ConvGeometry& g) {
-  const ConvGeometry sub = phase_geometry(g);
-  return sub.kernel[0] == 1 && sub.kernel[1] == 1 && sub.kernel[2] == 1;
-}
+bool single_lag(const ConvGeometry& g) { return Lags(phase_geometry(g)).count() == 1; }
 
 // docs/performance.md, training rows of 2026-11-30: with a stride (padding 0) the lags
 // of the phases beat Parseval per phase, cuDNN and eager (st2: cross_spectrum 0.39 ms,
