@@ -15,7 +15,7 @@
 namespace fused_ops {
 namespace {
 
-// Bytes of the W-stage's output (Q, complex128) per chunk of depth frequencies,
+// Bytes of the W-stage's output (Q, x's spectrum's dtype) per chunk of depth frequencies,
 // and of the sub-kernels' spectra per chunk of output channels.
 constexpr int64_t kRowsBytes = int64_t(48) << 20;
 constexpr int64_t kWeightBytes = int64_t(32) << 20;
@@ -52,9 +52,9 @@ at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::Tensor
 
 // R[m_d, m_h, m_w, g, i, j] for m_d, m_h in -reach .. reach and m_w in 0 .. reach_w,
 // [2ρd+1, 2ρh+1, ρw+1, G, Cig, Cig] double, with the DC bin left out: x's
-// cross-correlation centred on its grid mean (§3.5). The W stage comes from the
-// backend for a chunk of depth frequencies at a time, the H and D stages are
-// complex128 GEMMs.
+// cross-correlation centred on its grid mean (§3.5). The backend's W stage runs for a
+// chunk of depth frequencies at a time, its H stage on that chunk, and its D stage adds
+// the chunk's terms to R.
 at::Tensor half_correlation(const Backend& backend, const at::Tensor& x_spec, const int64_t grid[3],
                             const Lags& lags, int64_t groups) {
   const int64_t cig = x_spec.size(4) / groups, entries = groups * cig * cig;
@@ -65,14 +65,15 @@ at::Tensor half_correlation(const Backend& backend, const at::Tensor& x_spec, co
   const at::Tensor coef_d =
       lag_phases(grid[0], grid[0], lags.step[0], -lags.reach[0], 2 * lags.reach[0] + 1, opts);
   const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1);
-  const int64_t fd_bytes = grid[1] * mw * entries * 16;
+  const int64_t fd_bytes = grid[1] * mw * entries * x_spec.element_size();
   const int64_t chunk = std::clamp<int64_t>(kRowsBytes / fd_bytes, 1, grid[0]);
-  auto r = at::zeros({md, mh * mw * entries}, coef_d.options());
+  auto r = at::zeros({1, md, mh * mw * entries}, coef_d.options());
   for (int64_t fd0 = 0; fd0 < grid[0]; fd0 += chunk) {
     const int64_t n = std::min(chunk, grid[0] - fd0);
     const at::Tensor q = backend.cross_spectrum_rows(x_spec, fd0, n, coef_w, groups);
-    const at::Tensor p = at::matmul(coef_h.t(), q.view({n, grid[1], mw * entries}));
-    r.addmm_(coef_d.narrow(0, fd0, n).t(), p.view({n, mh * mw * entries}));
+    at::Tensor p = at::empty({n, mh, mw * entries}, coef_h.options());
+    backend.lag_stage(q.view({n, grid[1], mw * entries}), coef_h, p, false);
+    backend.lag_stage(p.view({1, n, mh * mw * entries}), coef_d.narrow(0, fd0, n), r, true);
   }
   const double size = static_cast<double>(grid[0] * grid[1] * grid[2]);
   return at::real(r).div(size).view({md, mh, mw, groups, cig, cig});
@@ -130,7 +131,16 @@ at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64
   if (fd0 == 0) s[0][0][0].zero_();  // the DC bin is left out (§3.5)
   const at::Tensor q =
       at::matmul(coef.to(s.scalar_type()).t(), s.reshape({count * lh, lwf, groups * cig * cig}));
-  return q.to(at::kComplexDouble).view({count, lh, coef.size(1), groups, cig, cig});
+  return q.view({count, lh, coef.size(1), groups, cig, cig});
+}
+
+void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate) {
+  const at::Tensor terms = at::matmul(coef.t(), q.to(at::kComplexDouble));
+  if (accumulate) {
+    out.add_(terms);
+  } else {
+    out.copy_(terms);
+  }
 }
 
 at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,

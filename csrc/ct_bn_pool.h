@@ -71,10 +71,14 @@ struct Backend {
   // The cross-spectrum path's W stage (docs/math.md §3.5) for depth frequencies
   // [fd0, fd0 + count) of x_spec [Ld, Lh, Lwf, B, Ci] (complex64 or complex128):
   // Q[fd - fd0, fh, m, g, i, j] = sum_fw coef[fw, m] sum_b conj(X[f, b, g Cig + i]) X[f, b, g Cig + j]
-  // with the DC bin f = 0 left out, [count, Lh, M, G, Cig, Cig] complex128; coef [Lwf, M]
-  // complex128.
+  // with the DC bin f = 0 left out, [count, Lh, M, G, Cig, Cig] in x_spec's dtype; coef
+  // [Lwf, M] complex128.
   at::Tensor (*cross_spectrum_rows)(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);
+  // The H and D stages after it (§3.5): out[a, m, c] = sum_f coef[f, m] q[a, f, c],
+  // added to out if `accumulate`; q [A, F, C] complex64 or complex128, coef [F, M] and
+  // out [A, M, C] complex128, all contiguous.
+  void (*lag_stage)(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
 };
 
 // Device-independent pieces, written with ATen ops.
@@ -96,9 +100,10 @@ double correlation_cost_ratio(const ConvGeometry& g);
 at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
                                  const at::Tensor& weight, const SampleSumTensors& sums,
                                  const ConvGeometry& g);
-// Backend::cross_spectrum_rows with ATen's batched GEMMs (the CPU's).
+// Backend::cross_spectrum_rows and Backend::lag_stage with ATen's batched GEMMs (the CPU's).
 at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);
+void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
 // The weight as the direct kernel reads it (see conv_transpose_point.h).
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);
 

@@ -3,7 +3,8 @@
 # build against the machine's torch, run the CUDA tests, compute-sanitizer and
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
-#                        [backward] [memory-format] [eval-variants] [bench-strided] [bench-train]
+#                        [backward] [memory-format] [eval-variants] [x-read-variants] [bench-strided]
+#                        [bench-train]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes).
 set -u -o pipefail
@@ -107,6 +108,21 @@ if want eval-variants; then
     /tmp/eval_variants 2>&1 | tee "$OUT/eval-variants.log" || status=1
   else
     tail -30 "$OUT/eval-variants-build.log"
+    status=1
+  fi
+fi
+if want x-read-variants; then
+  step x-read-variants
+  # Standalone microbenchmark of ways to read x in the eval x pass (no torch): load
+  # instructions, loads in flight, blocks per SM and bulk copies into shared memory, timed
+  # against a D2D copy and cub's reduce; exits non-zero if a variant's sums are off the host
+  # reference.
+  NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
+  if "$NVCC" -O3 -std=c++17 -arch=sm_90 "$REPO/scripts/x_read_variants.cu" -o /tmp/x_read_variants \
+    >"$OUT/x-read-variants-build.log" 2>&1; then
+    /tmp/x_read_variants 2>&1 | tee "$OUT/x-read-variants.log" || status=1
+  else
+    tail -30 "$OUT/x-read-variants-build.log"
     status=1
   fi
 fi

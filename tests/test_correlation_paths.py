@@ -23,6 +23,8 @@ PROBLEMS = FFT_PROBLEMS + STRIDED_FFT_PROBLEMS + [
     # from 0 on (two launches of 8); several chunks of depth frequencies.
     Problem(2, 40, 24, (3, 4, 5), (2, 2, 10)),
     Problem(1, 64, 8, (40, 20, 20), (3, 3, 3)),
+    # lag_stage.cu: 13 D lags and 11 H lags (two launches of up to 9 each).
+    Problem(2, 5, 6, (3, 4, 5), (7, 6, 2)),
 ] + random_problems(6, seed=11, conv_kwargs=dict(stride=(1, 2, 2), dilation=(2, 1, 1)))
 TOL = {torch.float32: 1e-6, torch.float64: 1e-10}
 ALGOS = ["correlation", "cross_spectrum"]
@@ -104,10 +106,10 @@ def test_auto_on_cpu_takes_correlation_where_it_is_cheaper(kernel, conv_kwargs, 
         assert relerr(out, ref(x.double())) <= 1e-6
 
 
-# What each path leaves in the profile: our kernels by name, correlation's GEMMs (aten::bmm,
-# which cross_spectrum's H stage also runs), sliced_conv's aten::convolution.
+# What each path leaves in the profile: our kernels by name, correlation's GEMMs (aten::bmm),
+# sliced_conv's aten::_convolution (csrc/sliced_conv_energy.cpp calls it directly).
 PATH_MARKS = {"cross_spectrum": "cross_spectrum_kernel", "fft": "spectral_energy_kernel",
-              "direct": "energy_direct_kernel", "sliced_conv": "aten::convolution"}
+              "direct": "energy_direct_kernel", "sliced_conv": "aten::_convolution"}
 CUDA_AUTO_CASES = [
     (4, dict(stride=2), "cross_spectrum"),    # st2: 27 lags from the cross-spectrum
     (2, dict(stride=2), "correlation"),       # up2: one lag, the Gram matrix

@@ -166,7 +166,8 @@ EnergyAlgo auto_energy_algo_cpu(const ConvGeometry& g, at::ScalarType) {
 
 const Backend kCpuBackend = {sample_sums_cpu,      energy_direct_cpu, finalize_cpu,
                              auto_energy_algo_cpu, nullptr,           nullptr,
-                             nullptr,              cross_spectrum_rows_aten};
+                             nullptr,              cross_spectrum_rows_aten,
+                             lag_stage_aten};
 
 }  // namespace
 

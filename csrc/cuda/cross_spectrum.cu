@@ -34,7 +34,7 @@ struct ComplexOf<double> {
 struct RowsArgs {
   const void* x;     // [Ld, Lh, Lwf, B, Ci], complex of T
   const void* coef;  // [Lwf, lags_total], complex of T
-  double2* q;        // [count, Lh, lags_total, G, Cig, Cig]
+  void* q;           // [count, Lh, lags_total, G, Cig, Cig], complex of T
   int64_t fd0, lh, lwf, batch, ci, cig, tiles, lags_total, lag0, lags;
 };
 
@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
       for (int m = 0; m < kLags; ++m) {
         if (m < a.lags) {
           const int64_t lag = a.lag0 + m;
-          a.q[(row * a.lags_total + lag) * entries + (group * a.cig + i) * a.cig + j] =
-              double2{static_cast<double>(acc[r][c][m].x), static_cast<double>(acc[r][c][m].y)};
+          static_cast<C*>(a.q)[(row * a.lags_total + lag) * entries + (group * a.cig + i) * a.cig + j] =
+              acc[r][c][m];
         }
       }
     }
@@ -219,11 +219,10 @@ at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64
               "ct_bn_pool: problem too large for the cross-spectrum path (", to_str(rows),
               " rows, ", to_str(a.tiles * a.tiles), " tiles, ", to_str(groups), " groups)");
   const at::Tensor c = coef.to(is_double ? at::kComplexDouble : at::kComplexFloat).contiguous();
-  auto q = at::empty({count, a.lh, a.lags_total, groups, a.cig, a.cig},
-                     x_spec.options().dtype(at::kComplexDouble));
+  auto q = at::empty({count, a.lh, a.lags_total, groups, a.cig, a.cig}, x_spec.options());
   a.x = x_spec.data_ptr();
   a.coef = c.data_ptr();
-  a.q = reinterpret_cast<double2*>(q.data_ptr());
+  a.q = q.data_ptr();
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(a.tiles * a.tiles),
                   static_cast<unsigned>(groups));
   for (a.lag0 = 0; a.lag0 < a.lags_total; a.lag0 += kMaxLags) {

@@ -96,7 +96,8 @@ EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
 
 const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, finalize_any_cuda,
                               auto_energy_algo_cuda,       energy_fft_cuda,    fft_applies_cuda,
-                              eval_sample_sums_cuda,       cross_spectrum_rows_cuda};
+                              eval_sample_sums_cuda,       cross_spectrum_rows_cuda,
+                              lag_stage_cuda};
 
 }  // namespace
 

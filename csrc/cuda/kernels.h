@@ -48,5 +48,7 @@ void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& 
 // (fd, fh) row and tile of (i, j) pairs, the W stage applied as each fw's matrix is made.
 at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);
+// Backend::lag_stage: lag_stage.cu, one thread per column.
+void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
 
 }  // namespace fused_ops
