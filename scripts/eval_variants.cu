@@ -45,16 +45,7 @@ namespace cg = cooperative_groups;
 
 #define HD __host__ __device__ __forceinline__
 
-#define CK(call)                                                                          \
-  do {                                                                                    \
-    const cudaError_t err_ = (call);                                                      \
-    if (err_ != cudaSuccess) {                                                            \
-      fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call,                \
-              cudaGetErrorString(err_));                                                  \
-      exit(2);                                                                            \
-    }                                                                                     \
-  } while (0)
-#define CK_LAUNCH() CK(cudaGetLastError())
+#include "cuda_check.cuh"
 
 // ---------------------------------------------------------------------------------------
 // Problem (seed shape)

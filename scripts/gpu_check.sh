@@ -97,34 +97,28 @@ if want memory-format; then
   (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,c16,s8 --no-compile \
     --memory-format channels_last_3d --out "$OUT") 2>&1 | tee "$OUT/bench-channels-last.log" | tail -20 || status=1
 fi
-if want eval-variants; then
-  step eval-variants
-  # Standalone eval-mode microbenchmark (no torch): variants of the x pass and the finalize,
-  # timed in one run on the same data against a D2D copy and pure-read kernels; exits
-  # non-zero if a variant's output is off the float64 host reference.
+# A standalone CUDA microbenchmark (no torch): scripts/$1.cu built with nvcc and run, its
+# output in $OUT/<name>.log; it exits non-zero if a variant's output is off its host reference.
+microbenchmark() {
+  local name=${1//_/-}
   NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
-  if "$NVCC" -O3 -std=c++17 -arch=sm_90 "$REPO/scripts/eval_variants.cu" -o /tmp/eval_variants \
-    >"$OUT/eval-variants-build.log" 2>&1; then
-    /tmp/eval_variants 2>&1 | tee "$OUT/eval-variants.log" || status=1
+  if "$NVCC" -O3 -std=c++17 -arch=sm_90 "$REPO/scripts/$1.cu" -o "/tmp/$1" >"$OUT/$name-build.log" 2>&1; then
+    "/tmp/$1" 2>&1 | tee "$OUT/$name.log" || status=1
   else
-    tail -30 "$OUT/eval-variants-build.log"
+    tail -30 "$OUT/$name-build.log"
     status=1
   fi
+}
+if want eval-variants; then
+  step eval-variants
+  # Variants of the eval call (x pass and finalize) against a D2D copy and pure-read kernels.
+  microbenchmark eval_variants
 fi
 if want x-read-variants; then
   step x-read-variants
-  # Standalone microbenchmark of ways to read x in the eval x pass (no torch): load
-  # instructions, loads in flight, blocks per SM and bulk copies into shared memory, timed
-  # against a D2D copy and cub's reduce; exits non-zero if a variant's sums are off the host
-  # reference.
-  NVCC=$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")
-  if "$NVCC" -O3 -std=c++17 -arch=sm_90 "$REPO/scripts/x_read_variants.cu" -o /tmp/x_read_variants \
-    >"$OUT/x-read-variants-build.log" 2>&1; then
-    /tmp/x_read_variants 2>&1 | tee "$OUT/x-read-variants.log" || status=1
-  else
-    tail -30 "$OUT/x-read-variants-build.log"
-    status=1
-  fi
+  # Ways to read x in the eval x pass: load instructions, loads in flight, blocks per SM and
+  # bulk copies into shared memory, against a D2D copy and cub's reduce.
+  microbenchmark x_read_variants
 fi
 if want backward; then
   step backward

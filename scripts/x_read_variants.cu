@@ -46,16 +46,7 @@
 #error "x_read_variants needs sm_90 (cp.async.bulk, mbarrier tx counts): build with -arch=sm_90"
 #endif
 
-#define CK(call)                                                                          \
-  do {                                                                                    \
-    const cudaError_t err_ = (call);                                                      \
-    if (err_ != cudaSuccess) {                                                            \
-      fprintf(stderr, "%s:%d: %s failed: %s\n", __FILE__, __LINE__, #call,                \
-              cudaGetErrorString(err_));                                                  \
-      exit(2);                                                                            \
-    }                                                                                     \
-  } while (0)
-#define CK_LAUNCH() CK(cudaGetLastError())
+#include "cuda_check.cuh"
 
 // ---------------------------------------------------------------------------------------
 // Problem
