@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kThreads) lag_stage_kernel(StageArgs a) {
 #pragma unroll
   for (int m = 0; m < kLags; ++m) acc[m] = double2{0, 0};
   // Not unrolled: with four iterations' loads in flight (91 registers, half the blocks
-  // per SM) the seed problem's H stage took 89 us per launch against 70 (docs/performance.md).
+  // per SM) the seed problem's H stage took 89 us per launch against 73 (docs/performance.md).
 #pragma unroll 1
   for (int64_t f = 0; f < a.freqs; ++f) {
     const double2 v = widen(q[f * a.cols]);
