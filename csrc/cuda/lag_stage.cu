@@ -33,30 +33,52 @@ __device__ __forceinline__ double2 widen(const C& v) {
   return double2{static_cast<double>(v.x), static_cast<double>(v.y)};
 }
 
+// Q's loads are issued kAhead<C> frequencies before their use (32 bytes in flight per thread)
+// and the coefficients are read from shared memory: with one load of Q in flight per thread,
+// and the coefficients loaded beside it, the seed problem's H stage spent 67% of its stalls
+// waiting on them with DRAM at 11% of peak (ncu, docs/performance.md).
+template <typename C>
+constexpr int kAhead = 32 / sizeof(C);
+constexpr int kFreqTile = 64;  // coefficients staged per pass: kFreqTile x kLags
+
 template <typename C, int kLags>
-__global__ void __launch_bounds__(kThreads) lag_stage_kernel(StageArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) lag_stage_kernel(StageArgs a) {
+  __shared__ double2 coef[kFreqTile][kLags];
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (t >= a.outer * a.cols) return;
-  const int64_t outer = t / a.cols, col = t % a.cols;
+  const bool active = t < a.outer * a.cols;  // every thread takes part in the staging
+  const int64_t outer = active ? t / a.cols : 0, col = active ? t % a.cols : 0;
   const C* __restrict__ q = static_cast<const C*>(a.q) + outer * a.freqs * a.cols + col;
   double2 acc[kLags];
 #pragma unroll
   for (int m = 0; m < kLags; ++m) acc[m] = double2{0, 0};
-  // Not unrolled: with four iterations' loads in flight (91 registers, half the blocks
-  // per SM) the seed problem's H stage took 89 us per launch against 73 (docs/performance.md).
-#pragma unroll 1
-  for (int64_t f = 0; f < a.freqs; ++f) {
-    const double2 v = widen(q[f * a.cols]);
-    const double2* c = a.coef + f * a.lags_total + a.lag0;
+  C ahead[kAhead<C>];
 #pragma unroll
-    for (int m = 0; m < kLags; ++m) {
-      if (m < a.lags) {
-        const double2 w = __ldg(c + m);  // the same for every thread: a broadcast
-        acc[m].x += w.x * v.x - w.y * v.y;
-        acc[m].y += w.x * v.y + w.y * v.x;
+  for (int k = 0; k < kAhead<C>; ++k) ahead[k] = active && k < a.freqs ? q[k * a.cols] : C{0, 0};
+  for (int64_t f0 = 0; f0 < a.freqs; f0 += kFreqTile) {
+    const int tile = static_cast<int>(a.freqs - f0 < kFreqTile ? a.freqs - f0 : kFreqTile);
+    __syncthreads();  // the previous tile's coefficients are no longer read
+    for (int i = threadIdx.x; i < tile * kLags; i += kThreads) {
+      const int f = i / kLags, m = i % kLags;
+      coef[f][m] = m < a.lags ? a.coef[(f0 + f) * a.lags_total + a.lag0 + m] : double2{0, 0};
+    }
+    __syncthreads();
+    for (int k0 = 0; k0 < tile; k0 += kAhead<C>) {
+#pragma unroll
+      for (int k = 0; k < kAhead<C>; ++k) {
+        if (k0 + k >= tile) break;
+        const int64_t f = f0 + k0 + k;
+        const double2 v = widen(ahead[k]);
+        if (active && f + kAhead<C> < a.freqs) ahead[k] = q[(f + kAhead<C>) * a.cols];
+#pragma unroll
+        for (int m = 0; m < kLags; ++m) {
+          const double2 w = coef[k0 + k][m];
+          acc[m].x += w.x * v.x - w.y * v.y;
+          acc[m].y += w.x * v.y + w.y * v.x;
+        }
       }
     }
   }
+  if (!active) return;
   double2* out = a.out + (outer * a.lags_total + a.lag0) * a.cols + col;
 #pragma unroll
   for (int m = 0; m < kLags; ++m) {
