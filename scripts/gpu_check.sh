@@ -6,7 +6,8 @@
 #                        [backward] [memory-format] [eval-variants] [x-read-variants] [bench-strided]
 #                        [bench-train]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
-# PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes).
+# PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes);
+# PYTEST_K="expr" passes -k expr to pytest (say, "cuda" to skip the CPU cases).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
@@ -36,10 +37,10 @@ if want test; then
   files=$(for t in ${TESTS:-}; do echo "$REPO/tests/$t"; done)
   if [[ -n ${PYTEST_WORKERS:-} ]]; then  # one run over pytest-xdist workers sharing the GPU
     (cd /tmp && python3 -m pytest ${files:-"$REPO"/tests} -n "$PYTEST_WORKERS" -v -p no:cacheprovider -rfE \
-      --tb=short) >>"$OUT/pytest.log" 2>&1 || status=1
+      --tb=short ${PYTEST_K:+-k "$PYTEST_K"}) >>"$OUT/pytest.log" 2>&1 || status=1
   else
     for f in ${files:-"$REPO"/tests/test_*.py}; do
-      (cd /tmp && python3 -m pytest "$f" -v -p no:cacheprovider -rfE --tb=short) >>"$OUT/pytest.log" 2>&1 || status=1
+      (cd /tmp && python3 -m pytest "$f" -v -p no:cacheprovider -rfE --tb=short ${PYTEST_K:+-k "$PYTEST_K"}) >>"$OUT/pytest.log" 2>&1 || status=1
     done
   fi
   grep -E "^(FAILED|ERROR)|Fatal|passed|failed" "$OUT/pytest.log" | tail -30
