@@ -20,16 +20,22 @@ namespace {
 constexpr int64_t kRowsBytes = int64_t(48) << 20;
 constexpr int64_t kWeightBytes = int64_t(32) << 20;
 
-// [n, count] complex128 on `opts`' device: exp(2 pi i f step m / size) for
-// frequencies f < n and lags m = first .. first + count - 1. The angle is reduced
-// modulo size in integers first, so it is exact however large f m gets.
-at::Tensor lag_phases(int64_t size, int64_t n, int64_t step, int64_t first, int64_t count,
-                      const at::TensorOptions& opts) {
-  const at::Tensor f = at::arange(n, opts.dtype(at::kLong)).unsqueeze(1);
-  const at::Tensor m = at::arange(first, first + count, opts.dtype(at::kLong)).unsqueeze(0);
-  const at::Tensor turns = at::remainder(f * m * step, size).to(at::kDouble);
+// [n, M] complex128 on `opts`' device: exp(2 pi i f step m / size) for frequencies
+// f < n and the M lags m of `lags` (long). The angle is reduced modulo size in
+// integers first, so it is exact however large f m gets.
+at::Tensor lag_phases(int64_t size, int64_t n, int64_t step, const at::Tensor& lags) {
+  const at::Tensor f = at::arange(n, lags.options()).unsqueeze(1);
+  const at::Tensor turns = at::remainder(f * lags.unsqueeze(0) * step, size).to(at::kDouble);
   const at::Tensor angle = turns.mul_(2 * M_PI / static_cast<double>(size));
   return at::polar(at::ones_like(angle), angle);
+}
+
+// [2 reach + 1] long: the lags -reach .. reach in ifftshift order, 0 .. reach then
+// -reach .. -1, so that R comes out laid out for its DFT on the grid of 2 reach + 1
+// positions (phase_energies) with no shift to apply.
+at::Tensor shifted_lags(int64_t reach, const at::TensorOptions& opts) {
+  const int64_t count = 2 * reach + 1;
+  return at::arange(reach, reach + count, opts.dtype(at::kLong)).remainder_(count).sub_(reach);
 }
 
 // [size / 2 + 1] double: how many bins of a real signal's full DFT of that size each
@@ -46,24 +52,25 @@ at::Tensor mirror_count(int64_t size, const at::TensorOptions& opts) {
 // The W stage's coefficients: lag_phases for lags 0 .. reach, weighted by mirror_count.
 at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::TensorOptions& opts) {
   const int64_t bins = size / 2 + 1;
-  return lag_phases(size, bins, lags.step[2], 0, lags.reach[2] + 1, opts)
-      .mul_(mirror_count(size, opts).unsqueeze(1));
+  const at::Tensor m = at::arange(lags.reach[2] + 1, opts.dtype(at::kLong));
+  return lag_phases(size, bins, lags.step[2], m).mul_(mirror_count(size, opts).unsqueeze(1));
 }
 
-// R[m_d, m_h, m_w, g, i, j] for m_d, m_h in -reach .. reach and m_w in 0 .. reach_w,
-// [2ρd+1, 2ρh+1, ρw+1, G, Cig, Cig] double, with the DC bin left out: x's
-// cross-correlation centred on its grid mean (§3.5). The backend's W stage runs for a
-// chunk of depth frequencies at a time, its H stage on that chunk, and its D stage adds
-// the chunk's terms to R.
+// R[m_d, m_h, m_w, g, i, j] for m_d, m_h in -reach .. reach (ifftshift order,
+// shifted_lags) and m_w in 0 .. reach_w, [2ρd+1, 2ρh+1, ρw+1, G, Cig, Cig] double (a
+// view of the real part), with the DC bin left out: x's cross-correlation centred on
+// its grid mean (§3.5). The backend's W stage runs for a chunk of depth frequencies at
+// a time, its H stage on that chunk, and its D stage adds the chunk's terms to R.
 at::Tensor half_correlation(const Backend& backend, const at::Tensor& x_spec, const int64_t grid[3],
                             const Lags& lags, int64_t groups) {
   const int64_t cig = x_spec.size(4) / groups, entries = groups * cig * cig;
   const at::TensorOptions opts = x_spec.options();
   const at::Tensor coef_w = w_stage_coefficients(grid[2], lags, opts);
   const at::Tensor coef_h =
-      lag_phases(grid[1], grid[1], lags.step[1], -lags.reach[1], 2 * lags.reach[1] + 1, opts);
-  const at::Tensor coef_d =
-      lag_phases(grid[0], grid[0], lags.step[0], -lags.reach[0], 2 * lags.reach[0] + 1, opts);
+      lag_phases(grid[1], grid[1], lags.step[1], shifted_lags(lags.reach[1], opts));
+  const double size = static_cast<double>(grid[0] * grid[1] * grid[2]);
+  const at::Tensor coef_d =  // with R's 1 / |L|
+      lag_phases(grid[0], grid[0], lags.step[0], shifted_lags(lags.reach[0], opts)).div_(size);
   const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1);
   const int64_t fd_bytes = grid[1] * mw * entries * x_spec.element_size();
   const int64_t chunk = std::clamp<int64_t>(kRowsBytes / fd_bytes, 1, grid[0]);
@@ -75,26 +82,30 @@ at::Tensor half_correlation(const Backend& backend, const at::Tensor& x_spec, co
     backend.lag_stage(q.view({n, grid[1], mw * entries}), coef_h, p, false);
     backend.lag_stage(p.view({1, n, mh * mw * entries}), coef_d.narrow(0, fd0, n), r, true);
   }
-  const double size = static_cast<double>(grid[0] * grid[1] * grid[2]);
-  return at::real(r).div(size).view({md, mh, mw, groups, cig, cig});
+  return at::real(r).view({md, mh, mw, groups, cig, cig});
 }
 
-// All lags, [2ρd+1, 2ρh+1, 2ρw+1, G, Cig, Cig]: R(m)[i, j] = R(-m)[j, i] gives m_w < 0.
+// All lags, [2ρd+1, 2ρh+1, 2ρw+1, G, Cig, Cig] in ifftshift order: R(m)[i, j] = R(-m)[j, i]
+// gives m_w < 0, and in that order lag -m of index k is index (2ρ + 1 - k) mod (2ρ + 1):
+// a flip, then a roll by one.
 at::Tensor full_correlation(const at::Tensor& half, const Lags& lags) {
-  const at::Tensor mirrored = half.narrow(2, 1, lags.reach[2]).flip({0, 1, 2}).transpose(-1, -2);
-  return at::cat({mirrored, half}, 2);
+  const at::Tensor mirrored = half.narrow(2, 1, lags.reach[2])
+                                  .flip({0, 1, 2})
+                                  .roll({1, 1}, {0, 1})
+                                  .transpose(-1, -2);
+  return at::cat({half, mirrored}, 2);
 }
 
 // [G, Cog] double: sum over the phases r of sum_{m, m'} w_r[:, c, m]^T R(m - m') w_r[:, c, m'],
 // as (1 / |M|) sum_g W_r(g)^H R^(g) W_r(g) on the grid M = 2k' - 1 per dim, where both
-// DFTs are exact (§3.5). stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] double,
-// so that their DFT comes out with a frequency's [Cig, P Cog] matrix contiguous.
+// DFTs are exact (§3.5). r: R at every lag, in ifftshift order (full_correlation).
+// stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] double, so that their DFT
+// comes out with a frequency's [Cig, P Cog] matrix contiguous.
 at::Tensor phase_energies(const at::Tensor& r, const at::Tensor& stack) {
   const int64_t small[3] = {r.size(0), r.size(1), r.size(2)};
   const int64_t groups = stack.size(3), cig = stack.size(4), phases = stack.size(5),
                 cog = stack.size(6);
-  const at::Tensor r_hat = at::fft_rfftn(at::fft_ifftshift(r, at::IntArrayRef{0, 1, 2}),
-                                         c10::nullopt, at::IntArrayRef{0, 1, 2});
+  const at::Tensor r_hat = at::fft_rfftn(r, c10::nullopt, at::IntArrayRef{0, 1, 2});
   const int64_t bins = r_hat.size(0) * r_hat.size(1) * r_hat.size(2);
   const at::Tensor mirror = mirror_count(small[2], stack.options()).view({1, 1, -1, 1, 1});
   const int64_t channel_bytes = bins * groups * cig * phases * 16;

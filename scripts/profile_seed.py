@@ -48,4 +48,4 @@ if host:
     print(f"host: {ops:.0f} aten ops per call (nested ones included)")
     print(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=50))
 else:
-    print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+    print(events.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=130))

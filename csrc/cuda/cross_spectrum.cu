@@ -38,18 +38,26 @@ struct RowsArgs {
   int64_t fd0, lh, lwf, batch, ci, cig, tiles, lags_total, lag0, lags;
 };
 
-// acc += conj(u) v
+// a b + c, one rounding (FFMA / DFMA).
+__device__ __forceinline__ float madd(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double madd(double a, double b, double c) { return fma(a, b, c); }
+
+// acc += conj(u) v, and acc += s w, as four fused multiply-adds each: written as
+// `acc.x += u.x * v.x + u.y * v.y` the compiler kept a separate multiply and add
+// (ncu on the seed call: 29M FFMA against 59M FMUL/FADD instructions, issue-bound).
 template <typename C>
 __device__ __forceinline__ void add_conj_product(C& acc, const C& u, const C& v) {
-  acc.x += u.x * v.x + u.y * v.y;
-  acc.y += u.x * v.y - u.y * v.x;
+  acc.x = madd(u.x, v.x, acc.x);
+  acc.x = madd(u.y, v.y, acc.x);
+  acc.y = madd(u.x, v.y, acc.y);
+  acc.y = madd(-u.y, v.x, acc.y);
 }
-
-// acc += s w
 template <typename C>
 __device__ __forceinline__ void add_product(C& acc, const C& s, const C& w) {
-  acc.x += s.x * w.x - s.y * w.y;
-  acc.y += s.x * w.y + s.y * w.x;
+  acc.x = madd(s.x, w.x, acc.x);
+  acc.x = madd(-s.y, w.y, acc.x);
+  acc.y = madd(s.x, w.y, acc.y);
+  acc.y = madd(s.y, w.x, acc.y);
 }
 
 // R consecutive complex values from shared memory (one 16-byte load for two float2).
@@ -70,43 +78,44 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
   using C = typename ComplexOf<T>::type;
   constexpr int kTile = kSide * R;
   constexpr int kThreads = kSide * kSide;
-  constexpr int kStaged = 2 * kBatchChunk * kTile;  // values of one step: both sides' rows
-  constexpr int kPerThread = kStaged / kThreads;
-  static_assert(kStaged % kThreads == 0, "a step's values must split evenly over the threads");
+  constexpr int kSideValues = kBatchChunk * kTile;
+  constexpr int kPerThread = 2 * kSideValues / kThreads;  // values each thread stages per step
+  static_assert(2 * kSideValues % kThreads == 0, "a step's values must split evenly over the threads");
   // Double-buffered: step k + 1's values are stored while step k's may still be read.
-  __shared__ __align__(16) C xi[2][kBatchChunk][kTile];
-  __shared__ __align__(16) C xj[2][kBatchChunk][kTile];
+  __shared__ __align__(16) C xs[2][2][kBatchChunk][kTile];  // [buffer][side i, side j][sample][channel]
   const int64_t row = blockIdx.x;  // (fd - fd0) Lh + fh
   const int64_t fd = a.fd0 + row / a.lh, fh = row % a.lh;
   const int64_t i0 = (blockIdx.y / a.tiles) * kTile, j0 = (blockIdx.y % a.tiles) * kTile;
   const int64_t group = blockIdx.z;
   const int ty = threadIdx.x / kSide, tx = threadIdx.x % kSide;  // entries (R ty + r, R tx + c)
-  const C* x = static_cast<const C*>(a.x) + (fd * a.lh + fh) * a.lwf * a.batch * a.ci + group * a.cig;
-  const C* coef = static_cast<const C*>(a.coef);
-  const int64_t chunks = (a.batch + kBatchChunk - 1) / kBatchChunk, steps = a.lwf * chunks;
+  const C* __restrict__ x =
+      static_cast<const C*>(a.x) + (fd * a.lh + fh) * a.lwf * a.batch * a.ci + group * a.cig;
+  const C* __restrict__ coef = static_cast<const C*>(a.coef) + a.lag0;
+  const int lwf = static_cast<int>(a.lwf), batch = static_cast<int>(a.batch);
+  const int chunks = (batch + kBatchChunk - 1) / kBatchChunk;
+  const bool dc_row = fd == 0 && fh == 0;  // its fw = 0 is the DC bin, left out (§3.5)
 
   // A step is one fw and one chunk of samples; its values are loaded into registers a
   // step ahead, so the global loads are in flight while the previous step multiplies.
-  // Each thread moves the same kPerThread (sample, channel) slots at every step.
+  // Each thread moves the same kPerThread (sample, channel) slots at every step. The
+  // loops count in int: 64-bit division per step cost more instructions than the products.
   int64_t offset[kPerThread];  // from the step's first value
   int sample[kPerThread];      // within the chunk; kBatchChunk: no channel there
-  int slot[kPerThread];        // in the shared tiles: side * kBatchChunk * kTile + bb * kTile + t
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int e = threadIdx.x + k * kThreads;
-    const int side = e / (kBatchChunk * kTile), bb = e / kTile % kBatchChunk, t = e % kTile;
+    const int side = e / kSideValues, bb = e / kTile % kBatchChunk, t = e % kTile;
     const int64_t channel = (side ? j0 : i0) + t;
     offset[k] = bb * a.ci + channel;
     sample[k] = channel < a.cig ? bb : kBatchChunk;
-    slot[k] = e;
   }
   C next[kPerThread];
-  auto load = [&](int64_t step) {
-    const int64_t fw = step / chunks, b0 = step % chunks * kBatchChunk;
-    const C* base = x + (fw * a.batch + b0) * a.ci;
+  auto load = [&](int fw, int chunk) {
+    const int b0 = chunk * kBatchChunk;
+    const C* base = x + (static_cast<int64_t>(fw) * batch + b0) * a.ci;
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
-      next[k] = sample[k] < a.batch - b0 && sample[k] < kBatchChunk ? base[offset[k]] : C{0, 0};
+      next[k] = sample[k] < batch - b0 && sample[k] < kBatchChunk ? __ldg(base + offset[k]) : C{0, 0};
     }
   };
   C acc[R][R][kLags], s[R][R];
@@ -118,34 +127,31 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
 #pragma unroll
       for (int m = 0; m < kLags; ++m) acc[r][c][m] = C{0, 0};
     }
-  load(0);
-  for (int64_t step = 0; step < steps; ++step) {
-    const int buf = static_cast<int>(step & 1);
+  load(0, 0);
+  int buf = 0, next_fw = 0, next_chunk = 0;  // the step `next` holds
+  for (int fw = 0; fw < lwf; ++fw) {
+    for (int chunk = 0; chunk < chunks; ++chunk, buf ^= 1) {
 #pragma unroll
-    for (int k = 0; k < kPerThread; ++k) {
-      constexpr int kSideValues = kBatchChunk * kTile;
-      C* dst = slot[k] < kSideValues ? &xi[buf][0][0] + slot[k] : &xj[buf][0][0] + (slot[k] - kSideValues);
-      *dst = next[k];
+      for (int k = 0; k < kPerThread; ++k) (&xs[buf][0][0][0])[threadIdx.x + k * kThreads] = next[k];
+      __syncthreads();
+      if (++next_chunk == chunks) next_chunk = 0, ++next_fw;
+      if (next_fw < lwf) load(next_fw, next_chunk);
+      const int staged = min(batch - chunk * kBatchChunk, kBatchChunk);
+      for (int bb = 0; bb < staged; ++bb) {
+        C u[R], v[R];
+        load_row<R>(&xs[buf][0][bb][R * ty], u);
+        load_row<R>(&xs[buf][1][bb][R * tx], v);
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int c = 0; c < R; ++c) add_conj_product(s[r][c], u[r], v[c]);
+      }
     }
-    __syncthreads();
-    if (step + 1 < steps) load(step + 1);
-    const int64_t fw = step / chunks, b0 = step % chunks * kBatchChunk;
-    const int staged = a.batch - b0 < kBatchChunk ? static_cast<int>(a.batch - b0) : kBatchChunk;
-    for (int bb = 0; bb < staged; ++bb) {
-      C u[R], v[R];
-      load_row<R>(&xi[buf][bb][R * ty], u);
-      load_row<R>(&xj[buf][bb][R * tx], v);
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int c = 0; c < R; ++c) add_conj_product(s[r][c], u[r], v[c]);
-    }
-    if (b0 + kBatchChunk < a.batch) continue;  // S_f needs the row's other samples
-    if (fd != 0 || fh != 0 || fw != 0) {       // the DC bin is left out (§3.5)
+    if (!dc_row || fw != 0) {
 #pragma unroll
       for (int m = 0; m < kLags; ++m) {
         if (m < a.lags) {
-          const C w = coef[fw * a.lags_total + a.lag0 + m];
+          const C w = __ldg(coef + fw * a.lags_total + m);  // the same for every thread: a broadcast
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
