@@ -16,10 +16,15 @@ at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3]) {
                                                                 : at::kComplexFloat;
   auto spectrum = at::empty({grid[0], grid[1], lwf, batch, channels}, x.options().dtype(complex));
   const int64_t sample_bytes = grid[0] * grid[1] * lwf * channels * spectrum.element_size();
-  const int64_t slice = std::max<int64_t>(1, kFftSliceBytes / sample_bytes);
+  const int64_t slice = std::min(batch, std::max<int64_t>(1, kFftSliceBytes / sample_bytes));
+  // The zero padding is written once: each slice of samples overwrites only the region
+  // x fills (letting the FFT pad each slice wrote the whole padded slice every time).
+  auto padded = at::zeros({slice, channels, grid[0], grid[1], grid[2]}, x.options());
   for (int64_t b0 = 0; b0 < batch; b0 += slice) {
     const int64_t n = std::min(slice, batch - b0);
-    auto part = at::fft_rfftn(x.narrow(0, b0, n), at::IntArrayRef(grid, 3), {2, 3, 4});
+    const at::Tensor in = padded.narrow(0, 0, n);
+    in.narrow(2, 0, x.size(2)).narrow(3, 0, x.size(3)).narrow(4, 0, x.size(4)).copy_(x.narrow(0, b0, n));
+    auto part = at::fft_rfftn(in, c10::nullopt, {2, 3, 4});
     spectrum.narrow(3, b0, n).copy_(part.permute({2, 3, 4, 0, 1}));
   }
   return spectrum;

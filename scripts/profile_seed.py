@@ -1,9 +1,11 @@
 """Per-kernel GPU times of the fused op on the seed problem (torch.profiler), for tuning.
 
-    python scripts/profile_seed.py [eval|train] [contiguous|channels_last_3d] [algo] [host]
+    python scripts/profile_seed.py [eval|train] [contiguous|channels_last_3d] [algo] [host|wall]
 
 With `host`, the table is the host side instead: ATen ops by self CPU time, how many
-each call issues, and the wall time of issuing one call (no synchronization).
+each call issues, and the wall time of issuing one call (no synchronization). With
+`wall`, only the wall time per call of 50 calls issued back to back (what an eager loop
+of this op sees: the larger of its host and GPU time), no profiler.
 """
 import sys
 import time
@@ -19,6 +21,7 @@ memory_format = {"contiguous": torch.contiguous_format,
                  "channels_last_3d": torch.channels_last_3d}[layout]
 algo = sys.argv[3] if len(sys.argv) > 3 else "auto"
 host = len(sys.argv) > 4 and sys.argv[4] == "host"
+wall = len(sys.argv) > 4 and sys.argv[4] == "wall"
 m = fused_ops.ConvTransposeBNPool3d(64, 128, 5, 2.0, algo=algo).cuda().train(mode == "train")
 xs = [torch.randn(16, 64, 16, 32, 32, device="cuda").contiguous(memory_format=memory_format)
       for _ in range(6)]
@@ -27,6 +30,17 @@ with torch.no_grad():
     for x in xs:
         m(x)
     torch.cuda.synchronize()
+    if wall:
+        walls = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for i in range(50):
+                m(xs[i % len(xs)])
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) / 50 * 1e3)
+        walls.sort()
+        print(f"wall: {mode} {algo}: {walls[2]:.3f} ms per call, 50 calls back to back (median of 5)")
+        sys.exit(0)
     if host:
         issue_us = []
         for i in range(calls):

@@ -130,6 +130,10 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
   load(0, 0);
   int buf = 0, next_fw = 0, next_chunk = 0;  // the step `next` holds
   for (int fw = 0; fw < lwf; ++fw) {
+    // This fw's coefficients, loaded now so that their latency hides behind S_f's products.
+    C w[kLags];
+#pragma unroll
+    for (int m = 0; m < kLags; ++m) w[m] = m < a.lags ? __ldg(coef + fw * a.lags_total + m) : C{0, 0};
     for (int chunk = 0; chunk < chunks; ++chunk, buf ^= 1) {
 #pragma unroll
       for (int k = 0; k < kPerThread; ++k) (&xs[buf][0][0][0])[threadIdx.x + k * kThreads] = next[k];
@@ -137,6 +141,7 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
       if (++next_chunk == chunks) next_chunk = 0, ++next_fw;
       if (next_fw < lwf) load(next_fw, next_chunk);
       const int staged = min(batch - chunk * kBatchChunk, kBatchChunk);
+#pragma unroll 4
       for (int bb = 0; bb < staged; ++bb) {
         C u[R], v[R];
         load_row<R>(&xs[buf][0][bb][R * ty], u);
@@ -151,11 +156,10 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
 #pragma unroll
       for (int m = 0; m < kLags; ++m) {
         if (m < a.lags) {
-          const C w = __ldg(coef + fw * a.lags_total + m);  // the same for every thread: a broadcast
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int c = 0; c < R; ++c) add_product(acc[r][c][m], s[r][c], w);
+            for (int c = 0; c < R; ++c) add_product(acc[r][c][m], s[r][c], w[m]);
         }
       }
     }
