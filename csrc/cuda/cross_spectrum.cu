@@ -4,7 +4,9 @@
 // stored. A block owns one (fd, fh) row and a tile of (i, j) pairs and walks the
 // row's fw; each thread keeps R x R adjacent entries of S_f and their Q for kLags lags
 // in registers (more than kMaxLags lags: one launch per kMaxLags of them, each
-// recomputing S_f).
+// recomputing S_f). S_f is Hermitian, so only the tiles on and above the diagonal are
+// computed: a diagonal tile gives its own Q, an off-diagonal tile (i < j) gives Q at
+// (i, j) and at (j, i), the latter being sum_fw coef conj(S_f[i, j]).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -60,6 +62,15 @@ __device__ __forceinline__ void add_product(C& acc, const C& s, const C& w) {
   acc.y = madd(s.y, w.x, acc.y);
 }
 
+// The kMirror sums of cross_spectrum_kernel: ac += (p a, p b), bd += (q b, q a).
+template <typename C>
+__device__ __forceinline__ void add_mirror_sums(C& ac, C& bd, const C& s, const C& w) {
+  ac.x = madd(w.x, s.x, ac.x);
+  ac.y = madd(w.x, s.y, ac.y);
+  bd.x = madd(w.y, s.y, bd.x);
+  bd.y = madd(w.y, s.x, bd.y);
+}
+
 // R consecutive complex values from shared memory (one 16-byte load for two float2).
 template <int R, typename C>
 __device__ __forceinline__ void load_row(const C* src, C (&dst)[R]) {
@@ -73,7 +84,10 @@ __device__ __forceinline__ void load_row(const C* src, C (&dst)[R]) {
   }
 }
 
-template <typename T, int R, int kLags>
+// kMirror: the off-diagonal tiles, whose lags keep the four real sums
+// A = sum p a, B = sum q b, C = sum p b, D = sum q a of coef = p + iq and S_f = a + ib, so
+// that Q[i, j] = (A - B, C + D) and Q[j, i] = (A + B, D - C) come from one S_f.
+template <typename T, int R, int kLags, bool kMirror>
 __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArgs a) {
   using C = typename ComplexOf<T>::type;
   constexpr int kTile = kSide * R;
@@ -85,7 +99,13 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
   __shared__ __align__(16) C xs[2][2][kBatchChunk][kTile];  // [buffer][side i, side j][sample][channel]
   const int64_t row = blockIdx.x;  // (fd - fd0) Lh + fh
   const int64_t fd = a.fd0 + row / a.lh, fh = row % a.lh;
-  const int64_t i0 = (blockIdx.y / a.tiles) * kTile, j0 = (blockIdx.y % a.tiles) * kTile;
+  int ti = blockIdx.y, tj = blockIdx.y;  // a diagonal tile, or the blockIdx.y-th pair ti < tj
+  if constexpr (kMirror) {
+    int pair = blockIdx.y;
+    for (ti = 0; pair >= a.tiles - 1 - ti; ++ti) pair -= a.tiles - 1 - ti;
+    tj = ti + 1 + pair;
+  }
+  const int64_t i0 = ti * int64_t(kTile), j0 = tj * int64_t(kTile);
   const int64_t group = blockIdx.z;
   const int ty = threadIdx.x / kSide, tx = threadIdx.x % kSide;  // entries (R ty + r, R tx + c)
   const C* __restrict__ x =
@@ -99,14 +119,14 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
   // step ahead, so the global loads are in flight while the previous step multiplies.
   // Each thread moves the same kPerThread (sample, channel) slots at every step. The
   // loops count in int: 64-bit division per step cost more instructions than the products.
-  int64_t offset[kPerThread];  // from the step's first value
+  int offset[kPerThread];      // from the step's first value (a row of B Ci values)
   int sample[kPerThread];      // within the chunk; kBatchChunk: no channel there
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int e = threadIdx.x + k * kThreads;
     const int side = e / kSideValues, bb = e / kTile % kBatchChunk, t = e % kTile;
     const int64_t channel = (side ? j0 : i0) + t;
-    offset[k] = bb * a.ci + channel;
+    offset[k] = static_cast<int>(bb * a.ci + channel);
     sample[k] = channel < a.cig ? bb : kBatchChunk;
   }
   C next[kPerThread];
@@ -118,7 +138,8 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
       next[k] = sample[k] < batch - b0 && sample[k] < kBatchChunk ? __ldg(base + offset[k]) : C{0, 0};
     }
   };
-  C acc[R][R][kLags], s[R][R];
+  // acc: the lags' (A, C) under kMirror, else Q itself; mir: (B, D) under kMirror.
+  C acc[R][R][kLags], mir[R][R][kMirror ? kLags : 1], s[R][R];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -126,14 +147,18 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
       s[r][c] = C{0, 0};
 #pragma unroll
       for (int m = 0; m < kLags; ++m) acc[r][c][m] = C{0, 0};
+#pragma unroll
+      for (int m = 0; m < (kMirror ? kLags : 1); ++m) mir[r][c][m] = C{0, 0};
     }
   load(0, 0);
   int buf = 0, next_fw = 0, next_chunk = 0;  // the step `next` holds
   for (int fw = 0; fw < lwf; ++fw) {
-    // This fw's coefficients, loaded now so that their latency hides behind S_f's products.
-    C w[kLags];
+    // This fw's coefficients, loaded now so that their latency hides behind S_f's products
+    // (not under kMirror, whose sums need those registers).
+    constexpr int kAhead = kMirror ? 1 : kLags;
+    C w[kAhead];
 #pragma unroll
-    for (int m = 0; m < kLags; ++m) w[m] = m < a.lags ? __ldg(coef + fw * a.lags_total + m) : C{0, 0};
+    for (int m = 0; m < kAhead; ++m) w[m] = m < a.lags ? __ldg(coef + fw * a.lags_total + m) : C{0, 0};
     for (int chunk = 0; chunk < chunks; ++chunk, buf ^= 1) {
 #pragma unroll
       for (int k = 0; k < kPerThread; ++k) (&xs[buf][0][0][0])[threadIdx.x + k * kThreads] = next[k];
@@ -159,7 +184,13 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int c = 0; c < R; ++c) add_product(acc[r][c][m], s[r][c], w[m]);
+            for (int c = 0; c < R; ++c) {
+              if constexpr (kMirror) {
+                add_mirror_sums(acc[r][c][m], mir[r][c][m], s[r][c], __ldg(coef + fw * a.lags_total + m));
+              } else {
+                add_product(acc[r][c][m], s[r][c], w[m]);
+              }
+            }
         }
       }
     }
@@ -175,32 +206,56 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
     for (int c = 0; c < R; ++c) {
       const int64_t i = i0 + R * ty + r, j = j0 + R * tx + c;
       if (i >= a.cig || j >= a.cig) continue;
+      C* q = static_cast<C*>(a.q) + (row * a.lags_total + a.lag0) * entries + group * a.cig * a.cig;
 #pragma unroll
       for (int m = 0; m < kLags; ++m) {
         if (m < a.lags) {
-          const int64_t lag = a.lag0 + m;
-          static_cast<C*>(a.q)[(row * a.lags_total + lag) * entries + (group * a.cig + i) * a.cig + j] =
-              acc[r][c][m];
+          if constexpr (kMirror) {
+            const C sums = acc[r][c][m], more = mir[r][c][m];
+            q[m * entries + i * a.cig + j] = C{sums.x - more.x, sums.y + more.y};
+            q[m * entries + j * a.cig + i] = C{sums.x + more.x, more.y - sums.y};
+          } else {
+            q[m * entries + i * a.cig + j] = acc[r][c][m];
+          }
         }
       }
     }
   }
 }
 
-template <typename T, int R, int kLags>
+template <typename T, int R, int kLags, bool kMirror>
 void launch_rows(const RowsArgs& a, dim3 grid) {
-  cross_spectrum_kernel<T, R, kLags>
+  cross_spectrum_kernel<T, R, kLags, kMirror>
       <<<grid, kSide * kSide, 0, at::cuda::getCurrentCUDAStream()>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The smallest register budget of lags that holds `lags` (kMaxLags per launch).
-constexpr int kMaxLags = 8;
+// The smallest register budget of lags that holds `lags`: kMaxLags per launch of the
+// diagonal tiles, kMaxMirrorLags of the others (eight spilled 600 bytes there).
+constexpr int kMaxLags = 8, kMaxMirrorLags = 5;
 template <typename T, int R>
-void launch_lags(const RowsArgs& a, dim3 grid) {
-  if (a.lags <= 2) return launch_rows<T, R, 2>(a, grid);
-  if (a.lags <= 5) return launch_rows<T, R, 5>(a, grid);
-  launch_rows<T, R, kMaxLags>(a, grid);
+void launch_diagonal(const RowsArgs& a, dim3 grid) {
+  if (a.lags <= 2) return launch_rows<T, R, 2, false>(a, grid);
+  if (a.lags <= 5) return launch_rows<T, R, 5, false>(a, grid);
+  launch_rows<T, R, kMaxLags, false>(a, grid);
+}
+
+// The diagonal tiles (grid.y = tiles), then the pairs above it (tiles (tiles - 1) / 2).
+template <typename T, int R>
+void launch_tiles(const RowsArgs& a, dim3 grid) {
+  grid.y = static_cast<unsigned>(a.tiles);
+  launch_diagonal<T, R>(a, grid);
+  grid.y = static_cast<unsigned>(a.tiles * (a.tiles - 1) / 2);
+  for (int64_t m0 = 0; grid.y > 0 && m0 < a.lags; m0 += kMaxMirrorLags) {
+    RowsArgs part = a;
+    part.lag0 = a.lag0 + m0;
+    part.lags = std::min<int64_t>(kMaxMirrorLags, a.lags - m0);
+    if (part.lags <= 2) {
+      launch_rows<T, R, 2, true>(part, grid);
+    } else {
+      launch_rows<T, R, kMaxMirrorLags, true>(part, grid);
+    }
+  }
 }
 
 }  // namespace
@@ -225,24 +280,23 @@ at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64
   const int side = !is_double && a.cig > kSide ? 2 : 1;
   a.tiles = (a.cig + kSide * side - 1) / (kSide * side);
   const int64_t rows = count * a.lh;
-  TORCH_CHECK(rows < (int64_t(1) << 31) && a.tiles * a.tiles < 65536 && groups < 65536,
+  TORCH_CHECK(rows < (int64_t(1) << 31) && a.tiles * (a.tiles - 1) / 2 < 65536 && groups < 65536,
               "ct_bn_pool: problem too large for the cross-spectrum path (", to_str(rows),
-              " rows, ", to_str(a.tiles * a.tiles), " tiles, ", to_str(groups), " groups)");
+              " rows, ", to_str(a.tiles * (a.tiles - 1) / 2), " tile pairs, ", to_str(groups), " groups)");
   const at::Tensor c = coef.to(is_double ? at::kComplexDouble : at::kComplexFloat).contiguous();
   auto q = at::empty({count, a.lh, a.lags_total, groups, a.cig, a.cig}, x_spec.options());
   a.x = x_spec.data_ptr();
   a.coef = c.data_ptr();
   a.q = q.data_ptr();
-  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(a.tiles * a.tiles),
-                  static_cast<unsigned>(groups));
+  const dim3 grid(static_cast<unsigned>(rows), 1, static_cast<unsigned>(groups));
   for (a.lag0 = 0; a.lag0 < a.lags_total; a.lag0 += kMaxLags) {
     a.lags = std::min<int64_t>(kMaxLags, a.lags_total - a.lag0);
     if (is_double) {
-      launch_lags<double, 1>(a, grid);
+      launch_tiles<double, 1>(a, grid);
     } else if (side == 2) {
-      launch_lags<float, 2>(a, grid);
+      launch_tiles<float, 2>(a, grid);
     } else {
-      launch_lags<float, 1>(a, grid);
+      launch_tiles<float, 1>(a, grid);
     }
   }
   return q;
