@@ -4,7 +4,7 @@
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
 #                        [backward] [memory-format] [eval-variants] [x-read-variants] [bench-strided]
-#                        [bench-train]
+#                        [bench-train] [wall]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes);
 # PYTEST_K="expr" passes -k expr to pytest (say, "cuda" to skip the CPU cases).
@@ -90,6 +90,14 @@ if want bench-train; then
   (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,b64,c16,c128,s8,s32,k3,odd \
     --modes train --no-compile --algos auto,fft,cross_spectrum --out "$OUT/train") 2>&1 |
     tee "$OUT/bench-train.log" | tail -30 || status=1
+fi
+if want wall; then
+  step wall
+  # Training on the seed problem, 50 calls back to back: what an eager loop sees, the larger
+  # of host issue and GPU time (the bench's figures are GPU time alone).
+  for algo in fft cross_spectrum; do
+    (cd /tmp && python3 "$REPO/scripts/profile_seed.py" train contiguous "$algo" wall) 2>&1 | tee -a "$OUT/wall.log" || status=1
+  done
 fi
 if want memory-format; then
   step memory-format

@@ -20,8 +20,10 @@ PROBLEMS = FFT_PROBLEMS + STRIDED_FFT_PROBLEMS + [
     Problem(2, 6, 8, (3, 4, 5), (4, 2, 3), conv_kwargs=dict(stride=(2, 2, 3), groups=2)),
     Problem(1, 3, 4, (1, 1, 1), (3, 3, 3), conv_kwargs=dict(stride=2)),  # one input position
     # cross_spectrum.cu: 40 channels (two 32-wide tiles, the second partial) and 10 W lags
-    # from 0 on (two launches of 8); several chunks of depth frequencies.
+    # from 0 on (two launches of 5); several chunks of depth frequencies; 72 channels
+    # (float32: three tiles, float64: five; off-diagonal pairs beyond the first row).
     Problem(2, 40, 24, (3, 4, 5), (2, 2, 10)),
+    Problem(2, 72, 6, (3, 4, 5), (3, 3, 3)),
     Problem(1, 64, 8, (40, 20, 20), (3, 3, 3)),
     # lag_stage.cu: 13 D lags and 11 H lags (two launches of up to 9 each).
     Problem(2, 5, 6, (3, 4, 5), (7, 6, 2)),

@@ -84,27 +84,26 @@ __device__ __forceinline__ void load_row(const C* src, C (&dst)[R]) {
   }
 }
 
-// kMirror: the off-diagonal tiles, whose lags keep the four real sums
-// A = sum p a, B = sum q b, C = sum p b, D = sum q a of coef = p + iq and S_f = a + ib, so
-// that Q[i, j] = (A - B, C + D) and Q[j, i] = (A + B, D - C) come from one S_f.
+// Shared memory of one block: double-buffered, step k + 1's values are stored while
+// step k's may still be read. [buffer][side i, side j][sample][channel].
+template <typename C, int R>
+using Staged = C[2][2][kBatchChunk][kSide * R];
+
+// One block's work: row blockIdx.x, tile (ti, tj). kMirror: an off-diagonal tile, whose
+// lags keep the four real sums A = sum p a, B = sum q b, C = sum p b, D = sum q a of
+// coef = p + iq and S_f = a + ib, so that Q[i, j] = (A - B, C + D) and
+// Q[j, i] = (A + B, D - C) come from one S_f.
 template <typename T, int R, int kLags, bool kMirror>
-__global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArgs a) {
+__device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename ComplexOf<T>::type, R>& xs,
+                                          int ti, int tj) {
   using C = typename ComplexOf<T>::type;
   constexpr int kTile = kSide * R;
   constexpr int kThreads = kSide * kSide;
   constexpr int kSideValues = kBatchChunk * kTile;
   constexpr int kPerThread = 2 * kSideValues / kThreads;  // values each thread stages per step
   static_assert(2 * kSideValues % kThreads == 0, "a step's values must split evenly over the threads");
-  // Double-buffered: step k + 1's values are stored while step k's may still be read.
-  __shared__ __align__(16) C xs[2][2][kBatchChunk][kTile];  // [buffer][side i, side j][sample][channel]
   const int64_t row = blockIdx.x;  // (fd - fd0) Lh + fh
   const int64_t fd = a.fd0 + row / a.lh, fh = row % a.lh;
-  int ti = blockIdx.y, tj = blockIdx.y;  // a diagonal tile, or the blockIdx.y-th pair ti < tj
-  if constexpr (kMirror) {
-    int pair = blockIdx.y;
-    for (ti = 0; pair >= a.tiles - 1 - ti; ++ti) pair -= a.tiles - 1 - ti;
-    tj = ti + 1 + pair;
-  }
   const int64_t i0 = ti * int64_t(kTile), j0 = tj * int64_t(kTile);
   const int64_t group = blockIdx.z;
   const int ty = threadIdx.x / kSide, tx = threadIdx.x % kSide;  // entries (R ty + r, R tx + c)
@@ -119,15 +118,13 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
   // step ahead, so the global loads are in flight while the previous step multiplies.
   // Each thread moves the same kPerThread (sample, channel) slots at every step. The
   // loops count in int: 64-bit division per step cost more instructions than the products.
-  int offset[kPerThread];      // from the step's first value (a row of B Ci values)
-  int sample[kPerThread];      // within the chunk; kBatchChunk: no channel there
+  auto sample = [](int k) { return static_cast<int>((threadIdx.x + k * kThreads) / kTile % kBatchChunk); };
+  int offset[kPerThread];  // from the step's first value (a row of B Ci values); -1: no channel
 #pragma unroll
   for (int k = 0; k < kPerThread; ++k) {
     const int e = threadIdx.x + k * kThreads;
-    const int side = e / kSideValues, bb = e / kTile % kBatchChunk, t = e % kTile;
-    const int64_t channel = (side ? j0 : i0) + t;
-    offset[k] = static_cast<int>(bb * a.ci + channel);
-    sample[k] = channel < a.cig ? bb : kBatchChunk;
+    const int64_t channel = (e / kSideValues ? j0 : i0) + e % kTile;
+    offset[k] = channel < a.cig ? static_cast<int>(sample(k) * a.ci + channel) : -1;
   }
   C next[kPerThread];
   auto load = [&](int fw, int chunk) {
@@ -135,7 +132,7 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
     const C* base = x + (static_cast<int64_t>(fw) * batch + b0) * a.ci;
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
-      next[k] = sample[k] < batch - b0 && sample[k] < kBatchChunk ? __ldg(base + offset[k]) : C{0, 0};
+      next[k] = offset[k] >= 0 && sample(k) < batch - b0 ? __ldg(base + offset[k]) : C{0, 0};
     }
   };
   // acc: the lags' (A, C) under kMirror, else Q itself; mir: (B, D) under kMirror.
@@ -181,14 +178,15 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
 #pragma unroll
       for (int m = 0; m < kLags; ++m) {
         if (m < a.lags) {
+          const C wm = kMirror ? __ldg(coef + fw * a.lags_total + m) : w[kMirror ? 0 : m];
 #pragma unroll
           for (int r = 0; r < R; ++r)
 #pragma unroll
             for (int c = 0; c < R; ++c) {
               if constexpr (kMirror) {
-                add_mirror_sums(acc[r][c][m], mir[r][c][m], s[r][c], __ldg(coef + fw * a.lags_total + m));
+                add_mirror_sums(acc[r][c][m], mir[r][c][m], s[r][c], wm);
               } else {
-                add_product(acc[r][c][m], s[r][c], w[m]);
+                add_product(acc[r][c][m], s[r][c], wm);
               }
             }
         }
@@ -223,39 +221,36 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
   }
 }
 
-template <typename T, int R, int kLags, bool kMirror>
-void launch_rows(const RowsArgs& a, dim3 grid) {
-  cross_spectrum_kernel<T, R, kLags, kMirror>
-      <<<grid, kSide * kSide, 0, at::cuda::getCurrentCUDAStream()>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// The smallest register budget of lags that holds `lags`: kMaxLags per launch of the
-// diagonal tiles, kMaxMirrorLags of the others (eight spilled 600 bytes there).
-constexpr int kMaxLags = 8, kMaxMirrorLags = 5;
-template <typename T, int R>
-void launch_diagonal(const RowsArgs& a, dim3 grid) {
-  if (a.lags <= 2) return launch_rows<T, R, 2, false>(a, grid);
-  if (a.lags <= 5) return launch_rows<T, R, 5, false>(a, grid);
-  launch_rows<T, R, kMaxLags, false>(a, grid);
-}
-
-// The diagonal tiles (grid.y = tiles), then the pairs above it (tiles (tiles - 1) / 2).
-template <typename T, int R>
-void launch_tiles(const RowsArgs& a, dim3 grid) {
-  grid.y = static_cast<unsigned>(a.tiles);
-  launch_diagonal<T, R>(a, grid);
-  grid.y = static_cast<unsigned>(a.tiles * (a.tiles - 1) / 2);
-  for (int64_t m0 = 0; grid.y > 0 && m0 < a.lags; m0 += kMaxMirrorLags) {
-    RowsArgs part = a;
-    part.lag0 = a.lag0 + m0;
-    part.lags = std::min<int64_t>(kMaxMirrorLags, a.lags - m0);
-    if (part.lags <= 2) {
-      launch_rows<T, R, 2, true>(part, grid);
-    } else {
-      launch_rows<T, R, kMaxMirrorLags, true>(part, grid);
-    }
+// One launch for a row chunk and up to kMaxLags lags: the off-diagonal pairs first
+// (blockIdx.y < tiles (tiles - 1) / 2; the longer blocks, so the shorter diagonal ones
+// fill the last wave; as two launches the pairs' one wave of 288 blocks on 264 slots
+// ran in two), then the diagonal tiles.
+template <typename T, int R, int kLags>
+__global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArgs a) {
+  __shared__ __align__(16) Staged<typename ComplexOf<T>::type, R> xs;
+  const int pairs = static_cast<int>(a.tiles * (a.tiles - 1) / 2);
+  const int y = static_cast<int>(blockIdx.y);
+  if (y < pairs) {
+    int pair = y, ti = 0;
+    for (; pair >= a.tiles - 1 - ti; ++ti) pair -= static_cast<int>(a.tiles) - 1 - ti;
+    tile_rows<T, R, kLags, true>(a, xs, ti, ti + 1 + pair);
+  } else {
+    tile_rows<T, R, kLags, false>(a, xs, y - pairs, y - pairs);
   }
+}
+
+// The smallest register budget of lags that holds `lags` (kMaxLags per launch: with
+// eight, the off-diagonal tiles' sums spilled 600 bytes).
+constexpr int kMaxLags = 5;
+template <typename T, int R>
+void launch_rows(const RowsArgs& a, dim3 grid) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (a.lags <= 2) {
+    cross_spectrum_kernel<T, R, 2><<<grid, kSide * kSide, 0, stream>>>(a);
+  } else {
+    cross_spectrum_kernel<T, R, kMaxLags><<<grid, kSide * kSide, 0, stream>>>(a);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -280,23 +275,24 @@ at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64
   const int side = !is_double && a.cig > kSide ? 2 : 1;
   a.tiles = (a.cig + kSide * side - 1) / (kSide * side);
   const int64_t rows = count * a.lh;
-  TORCH_CHECK(rows < (int64_t(1) << 31) && a.tiles * (a.tiles - 1) / 2 < 65536 && groups < 65536,
+  TORCH_CHECK(rows < (int64_t(1) << 31) && a.tiles * (a.tiles + 1) / 2 < 65536 && groups < 65536,
               "ct_bn_pool: problem too large for the cross-spectrum path (", to_str(rows),
-              " rows, ", to_str(a.tiles * (a.tiles - 1) / 2), " tile pairs, ", to_str(groups), " groups)");
+              " rows, ", to_str(a.tiles * (a.tiles + 1) / 2), " tiles, ", to_str(groups), " groups)");
   const at::Tensor c = coef.to(is_double ? at::kComplexDouble : at::kComplexFloat).contiguous();
   auto q = at::empty({count, a.lh, a.lags_total, groups, a.cig, a.cig}, x_spec.options());
   a.x = x_spec.data_ptr();
   a.coef = c.data_ptr();
   a.q = q.data_ptr();
-  const dim3 grid(static_cast<unsigned>(rows), 1, static_cast<unsigned>(groups));
+  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(a.tiles * (a.tiles + 1) / 2),
+                  static_cast<unsigned>(groups));
   for (a.lag0 = 0; a.lag0 < a.lags_total; a.lag0 += kMaxLags) {
     a.lags = std::min<int64_t>(kMaxLags, a.lags_total - a.lag0);
     if (is_double) {
-      launch_tiles<double, 1>(a, grid);
+      launch_rows<double, 1>(a, grid);
     } else if (side == 2) {
-      launch_tiles<float, 2>(a, grid);
+      launch_rows<float, 2>(a, grid);
     } else {
-      launch_tiles<float, 1>(a, grid);
+      launch_rows<float, 1>(a, grid);
     }
   }
   return q;
