@@ -86,7 +86,9 @@ bool single_lag(const ConvGeometry& g) { return Lags(phase_geometry(g)).count() 
 // of the phases beat Parseval per phase, cuDNN and eager (st2: cross_spectrum 0.39 ms,
 // fft 0.88, eager 0.44), and with one lag the Gram matrix's single GEMM beats the
 // spectrum (up2: correlation 0.23 ms, cross_spectrum 0.36, eager 0.25). At stride 1 the
-// FFT path where it applies, elsewhere cuDNN (strict float32) over batch slices.
+// FFT path where it applies, elsewhere cuDNN (strict float32) over batch slices: the
+// cross-spectrum takes less GPU time on larger problems (seed: 1.77 ms against 2.07,
+// 11:52 UTC run) but its host work makes it slower in an eager loop on some hosts.
 EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   if (!g.has_padding() && phase_count(g) > 1) {
     return single_lag(g) ? EnergyAlgo::Correlation : EnergyAlgo::CrossSpectrum;
