@@ -117,7 +117,8 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
   // A step is one fw and one chunk of samples; its values are loaded into registers a
   // step ahead, so the global loads are in flight while the previous step multiplies.
   // Each thread moves the same kPerThread (sample, channel) slots at every step. The
-  // loops count in int: 64-bit division per step cost more instructions than the products.
+  // loops count (fw, chunk) in int: a step index split by 64-bit division and modulo is a
+  // long instruction sequence per step, in a kernel bound by issuing instructions.
   auto sample = [](int k) { return static_cast<int>((threadIdx.x + k * kThreads) / kTile % kBatchChunk); };
   int offset[kPerThread];  // from the step's first value (a row of B Ci values); -1: no channel
 #pragma unroll
