@@ -7,7 +7,8 @@
 #                        [bench-train] [wall]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes);
-# PYTEST_K="expr" passes -k expr to pytest (say, "cuda" to skip the CPU cases).
+# PYTEST_K="expr" passes -k expr to pytest (say, "not cpu" to leave the CPU-parametrized
+# cases to CI).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
