@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
 #define CK(call)                                                                          \
   do {                                                                                    \
@@ -16,3 +17,15 @@
     }                                                                                     \
   } while (0)
 #define CK_LAUNCH() CK(cudaGetLastError())
+
+// Microseconds between start[i] and end[i] for each timed call (events already synchronized).
+inline std::vector<double> elapsed_us(const std::vector<cudaEvent_t>& start,
+                                      const std::vector<cudaEvent_t>& end) {
+  std::vector<double> us(start.size());
+  for (size_t i = 0; i < start.size(); ++i) {
+    float ms;
+    CK(cudaEventElapsedTime(&ms, start[i], end[i]));
+    us[i] = ms * 1e3;
+  }
+  return us;
+}

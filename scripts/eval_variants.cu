@@ -1273,12 +1273,7 @@ int main(int argc, char** argv) {
       CK(cudaEventRecord(ev1[i], st));
     }
     CK(cudaStreamSynchronize(st));
-    std::vector<double> us(iters);
-    for (int i = 0; i < iters; ++i) {
-      float ms;
-      CK(cudaEventElapsedTime(&ms, ev0[i], ev1[i]));
-      us[i] = ms * 1e3;
-    }
+    const std::vector<double> us = elapsed_us(ev0, ev1);
     // Back to back (no spin): events around the whole batch, per call.
     CK(cudaEventRecord(ev0[0], st));
     for (int i = 0; i < iters; ++i) v.call(i);
