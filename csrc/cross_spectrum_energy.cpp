@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "phases.h"
+#include "table_cache.h"
 #include "x_spectrum.h"
 
 namespace fused_ops {
@@ -56,21 +57,50 @@ at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::Tensor
   return lag_phases(size, bins, lags.step[2], m).mul_(mirror_count(size, opts).unsqueeze(1));
 }
 
+// What the path needs of the geometry alone, on the device (table_cache.h).
+struct Tables {
+  at::Tensor coef_w, coef_h, coef_d;  // the W, H and D stages' coefficients (half_correlation)
+  at::Tensor mirror;                  // phase_energies' mirror counts, [1, 1, ρw + 1, 1, 1]
+  at::Tensor slots;                   // tap_slots
+};
+
+Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::TensorOptions& opts) {
+  const Lags lags(sub);
+  const int64_t* grid = sub.out_size;
+  const double size = static_cast<double>(grid[0] * grid[1] * grid[2]);
+  Tables t;
+  t.coef_w = w_stage_coefficients(grid[2], lags, opts);
+  t.coef_h = lag_phases(grid[1], grid[1], lags.step[1], shifted_lags(lags.reach[1], opts));
+  t.coef_d =  // with R's 1 / |L|
+      lag_phases(grid[0], grid[0], lags.step[0], shifted_lags(lags.reach[0], opts)).div_(size);
+  t.mirror = mirror_count(2 * lags.reach[2] + 1, opts).view({1, 1, -1, 1, 1});
+  t.slots = tap_slots(g, sub, opts.dtype(at::kLong));
+  return t;
+}
+
+// The tables of g's geometry on x's device, cached per stream (table_cache.h); they do
+// not depend on the batch, the channels or the dtype.
+Tables tables_for(const Backend& backend, const ConvGeometry& g, const ConvGeometry& sub,
+                  const at::Tensor& x) {
+  static auto* cache = new TableCache<Tables>();  // never destroyed: CUDA tensors at exit
+  std::vector<int64_t> key;
+  for (int d = 0; d < 3; ++d) {
+    key.insert(key.end(), {g.in_size[d], g.kernel[d], g.stride[d], g.dilation[d], g.padding[d],
+                           g.output_padding[d]});
+  }
+  return cache->get(std::move(key), x.device(), backend.table_stream(x.device()),
+                    [&] { return build_tables(g, sub, x.options()); });
+}
+
 // R[m_d, m_h, m_w, g, i, j] for m_d, m_h in -reach .. reach (ifftshift order,
 // shifted_lags) and m_w in 0 .. reach_w, [2ρd+1, 2ρh+1, ρw+1, G, Cig, Cig] double (a
 // view of the real part), with the DC bin left out: x's cross-correlation centred on
 // its grid mean (§3.5). The backend's W stage runs for a chunk of depth frequencies at
 // a time, its H stage on that chunk, and its D stage adds the chunk's terms to R.
 at::Tensor half_correlation(const Backend& backend, const at::Tensor& x_spec, const int64_t grid[3],
-                            const Lags& lags, int64_t groups) {
+                            const Tables& tables, int64_t groups) {
   const int64_t cig = x_spec.size(4) / groups, entries = groups * cig * cig;
-  const at::TensorOptions opts = x_spec.options();
-  const at::Tensor coef_w = w_stage_coefficients(grid[2], lags, opts);
-  const at::Tensor coef_h =
-      lag_phases(grid[1], grid[1], lags.step[1], shifted_lags(lags.reach[1], opts));
-  const double size = static_cast<double>(grid[0] * grid[1] * grid[2]);
-  const at::Tensor coef_d =  // with R's 1 / |L|
-      lag_phases(grid[0], grid[0], lags.step[0], shifted_lags(lags.reach[0], opts)).div_(size);
+  const at::Tensor &coef_w = tables.coef_w, &coef_h = tables.coef_h, &coef_d = tables.coef_d;
   const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1);
   const int64_t fd_bytes = grid[1] * mw * entries * x_spec.element_size();
   const int64_t chunk = std::clamp<int64_t>(kRowsBytes / fd_bytes, 1, grid[0]);
@@ -101,13 +131,12 @@ at::Tensor full_correlation(const at::Tensor& half, const Lags& lags) {
 // DFTs are exact (§3.5). r: R at every lag, in ifftshift order (full_correlation).
 // stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] double, so that their DFT
 // comes out with a frequency's [Cig, P Cog] matrix contiguous.
-at::Tensor phase_energies(const at::Tensor& r, const at::Tensor& stack) {
+at::Tensor phase_energies(const at::Tensor& r, const at::Tensor& stack, const at::Tensor& mirror) {
   const int64_t small[3] = {r.size(0), r.size(1), r.size(2)};
   const int64_t groups = stack.size(3), cig = stack.size(4), phases = stack.size(5),
                 cog = stack.size(6);
   const at::Tensor r_hat = at::fft_rfftn(r, c10::nullopt, at::IntArrayRef{0, 1, 2});
   const int64_t bins = r_hat.size(0) * r_hat.size(1) * r_hat.size(2);
-  const at::Tensor mirror = mirror_count(small[2], stack.options()).view({1, 1, -1, 1, 1});
   const int64_t channel_bytes = bins * groups * cig * phases * 16;
   const int64_t chunk = std::clamp<int64_t>(kWeightBytes / channel_bytes, 1, cog);
   auto energy = at::empty({groups, phases, cog}, stack.options());
@@ -159,17 +188,18 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
                                  const ConvGeometry& g) {
   const ConvGeometry sub = phase_geometry(g);
   const Lags lags(sub);
+  const Tables tables = tables_for(backend, g, sub, x);
   at::Tensor r;
   {  // x's spectrum is freed before the contraction
     const at::Tensor x_spec = x_spectrum(x, sub.out_size);
-    r = full_correlation(half_correlation(backend, x_spec, sub.out_size, lags, g.groups), lags);
+    r = full_correlation(half_correlation(backend, x_spec, sub.out_size, tables, g.groups), lags);
   }
-  const at::Tensor slots = tap_slots(g, sub, weight.options().dtype(at::kLong));
+  const at::Tensor& slots = tables.slots;
   const at::Tensor stack = phase_taps(weight, g, sub, slots)  // [k'd, k'h, k'w, G, Cig, P, Cog]
                                .stack(g, sub)
                                .permute({4, 5, 6, 0, 1, 3, 2})
                                .contiguous();
-  const at::Tensor energy = phase_energies(r, stack).view({g.out_channels});
+  const at::Tensor energy = phase_energies(r, stack, tables.mirror).view({g.out_channels});
   return energy.add(phase_sum_correction(weight, sums, g, sub, slots))
       .view({1, g.out_channels, 1});
 }

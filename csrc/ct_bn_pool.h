@@ -79,6 +79,10 @@ struct Backend {
   // added to out if `accumulate`; q [A, F, C] complex64 or complex128, coef [F, M] and
   // out [A, M, C] complex128, all contiguous.
   void (*lag_stage)(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
+  // The stream of `device` that a call's work is queued on, as an id that geometry-only
+  // tables may be cached under (table_cache.h), or -1 while that stream is being captured
+  // into a CUDA graph.
+  int64_t (*table_stream)(const at::Device& device);
 };
 
 // Device-independent pieces, written with ATen ops.

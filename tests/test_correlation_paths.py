@@ -144,6 +144,26 @@ def test_auto_on_cuda_takes_the_measured_fastest(kernel, conv_kwargs, expected):
         assert relerr(out, ref(x.double().cpu())) <= 1e-6
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_spectrum_builds_its_tables_once_per_geometry(device):
+    """The lag phases and tap slots depend on the geometry alone (csrc/table_cache.h): a
+    second call with other samples, batch and channels but the same sizes builds none
+    (aten::polar makes the phases) and is still right."""
+    first, second = (Problem(batch, ci, 6, (3, 4, 5), (2, 3, 2), conv_kwargs=dict(stride=(1, 2, 1)))
+                     for batch, ci in ((2, 5), (3, 7)))
+    for p, expect_polar in ((first, None), (second, False)):
+        ref, fused = make_models(p, torch.float32, device, algo="cross_spectrum")
+        ref.train()
+        fused.train()
+        x = make_input(p, torch.float32, device)
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = fused(x)
+        if expect_polar is not None:
+            assert any(e.name == "aten::polar" for e in prof.events()) == expect_polar
+        with torch.no_grad():
+            assert relerr(out, ref(x.double().cpu())) <= 1e-6
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("algo", ALGOS)
 def test_no_host_sync_on_cuda(algo):

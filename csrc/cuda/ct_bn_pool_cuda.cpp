@@ -96,10 +96,18 @@ EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   return fft_applies_cuda(g, dtype) ? EnergyAlgo::Fft : EnergyAlgo::SlicedConv;
 }
 
+// cudaStreamIsCapturing is one of the calls capture allows.
+int64_t table_stream_cuda(const at::Device& device) {
+  const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream(device.index());
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &status));
+  return status == cudaStreamCaptureStatusNone ? stream.id() : -1;
+}
+
 const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, finalize_any_cuda,
                               auto_energy_algo_cuda,       energy_fft_cuda,    fft_applies_cuda,
                               eval_sample_sums_cuda,       cross_spectrum_rows_cuda,
-                              lag_stage_cuda};
+                              lag_stage_cuda,              table_stream_cuda};
 
 }  // namespace
 
