@@ -126,7 +126,7 @@ CUDA_AUTO_CASES = [
 def test_auto_on_cuda_takes_the_measured_fastest(kernel, conv_kwargs, expected):
     """CUDA auto (csrc/cuda/ct_bn_pool_cuda.cpp, docs/performance.md): with a stride and
     padding 0 the cross-spectrum, or the correlation's single GEMM when every phase has
-    one tap; at stride 1 the FFT path; with padding cuDNN's convolution."""
+    one tap; at stride 1 on a small problem the FFT path; with padding cuDNN's convolution."""
     p = Problem(4, 16, 32, (8, 8, 8), (kernel,) * 3, conv_kwargs=conv_kwargs)
     ref, fused = make_models(p, torch.float32, "cuda")
     ref.train()
@@ -162,6 +162,26 @@ def test_cross_spectrum_builds_its_tables_once_per_geometry(device):
             assert any(e.name == "aten::polar" for e in prof.events()) == expect_polar
         with torch.no_grad():
             assert relerr(out, ref(x.double().cpu())) <= 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch, expected", [(16, "cross_spectrum"), (4, "fft")], ids=["seed", "b4"])
+def test_auto_on_cuda_at_stride_1_weighs_the_cross_spectrum(batch, expected):
+    """At stride 1 CUDA auto takes the cross-spectrum where its work is large enough for its
+    GPU time to cover its host time (the seed problem), else the FFT path (the seed problem
+    with a batch of 4): docs/performance.md, 11:52 UTC run. Checked against float64 on the GPU."""
+    p = Problem(batch, 64, 128, (16, 32, 32), (5, 5, 5))
+    ref, fused = make_models(p, torch.float32, "cuda")
+    ref.cuda().train()
+    fused.train()
+    x = make_input(p, torch.float32, "cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fused(x)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert {path for path, mark in PATH_MARKS.items() if any(mark in name for name in names)} == {expected}
+    with torch.no_grad():
+        assert relerr(out, ref(x.double())) <= 1e-6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -82,18 +82,50 @@ bool fft_applies_cuda(const ConvGeometry& g, at::ScalarType dtype) {
 // beyond it): one lag, R is x's channel Gram matrix (docs/math.md §3.4).
 bool single_lag(const ConvGeometry& g) { return Lags(phase_geometry(g)).count() == 1; }
 
+// Complex multiply-adds of the cross-spectrum's S_f and W stage per call, every (i, j)
+// pair counted (docs/math.md §3.5), and the bytes of its D stage's float64 lags.
+double cross_spectrum_work(const ConvGeometry& g) {
+  const ConvGeometry sub = phase_geometry(g);
+  const double freqs = static_cast<double>(sub.out_size[0] * sub.out_size[1] * (sub.out_size[2] / 2 + 1));
+  const double cig = static_cast<double>(g.in_group_channels());
+  return freqs * static_cast<double>(g.groups) * cig * cig * static_cast<double>(g.batch + sub.kernel[2]);
+}
+double cross_spectrum_lag_bytes(const ConvGeometry& g) {
+  const Lags lags(phase_geometry(g));
+  const double cig = static_cast<double>(g.in_group_channels());
+  return 16.0 * static_cast<double>((2 * lags.reach[0] + 1) * (2 * lags.reach[1] + 1) * (lags.reach[2] + 1) *
+                                    g.groups) * cig * cig;
+}
+
+// At stride 1 the cross-spectrum takes less GPU time than the FFT path where its
+// per-frequency work (B + k_w) Cig^2 is below the FFT path's (B + k_d) Cig Cog, but it
+// issues several hundred ATen ops per call (1.7 to 2.7 ms of host time on the seed
+// problem): it is taken where its work is large enough for its GPU time to cover that
+// (docs/performance.md, 11:52 UTC run: seed 1.18e9 multiply-adds, 1.77 ms against fft's
+// 2.07; k3 8.6e8, 1.22 ms against 1.71, but slower in an eager loop) and its lags stay
+// under kMaxLagBytes.
+constexpr double kCrossSpectrumMinWork = 1e9;
+constexpr double kMaxLagBytes = 256.0 * (1 << 20);
+bool cross_spectrum_beats_fft(const ConvGeometry& g) {
+  const ConvGeometry sub = phase_geometry(g);
+  const int64_t per_freq_cs = (g.batch + sub.kernel[2]) * g.in_group_channels();
+  const int64_t per_freq_fft = (g.batch + sub.kernel[0]) * g.out_group_channels();
+  return per_freq_cs <= per_freq_fft && cross_spectrum_work(g) >= kCrossSpectrumMinWork &&
+         cross_spectrum_lag_bytes(g) <= kMaxLagBytes;
+}
+
 // docs/performance.md, training rows of 2026-11-30: with a stride (padding 0) the lags
-// of the phases beat Parseval per phase, cuDNN and eager (st2: cross_spectrum 0.39 ms,
-// fft 0.88, eager 0.44), and with one lag the Gram matrix's single GEMM beats the
-// spectrum (up2: correlation 0.23 ms, cross_spectrum 0.36, eager 0.25). At stride 1 the
-// FFT path where it applies, elsewhere cuDNN (strict float32) over batch slices: the
-// cross-spectrum takes less GPU time on larger problems (seed: 1.77 ms against 2.07,
-// 11:52 UTC run) but its host work makes it slower in an eager loop on some hosts.
+// of the phases beat Parseval per phase, cuDNN and eager (st2: cross_spectrum 0.38 ms,
+// fft 0.88, eager 0.43), and with one lag the Gram matrix's single GEMM beats the
+// spectrum (up2: correlation 0.23 ms, cross_spectrum 0.34, eager 0.25). At stride 1
+// the FFT path where it applies, or the cross-spectrum where cross_spectrum_beats_fft;
+// elsewhere cuDNN (strict float32) over batch slices.
 EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   if (!g.has_padding() && phase_count(g) > 1) {
     return single_lag(g) ? EnergyAlgo::Correlation : EnergyAlgo::CrossSpectrum;
   }
-  return fft_applies_cuda(g, dtype) ? EnergyAlgo::Fft : EnergyAlgo::SlicedConv;
+  if (!fft_applies_cuda(g, dtype)) return EnergyAlgo::SlicedConv;
+  return cross_spectrum_beats_fft(g) ? EnergyAlgo::CrossSpectrum : EnergyAlgo::Fft;
 }
 
 // cudaStreamIsCapturing is one of the calls capture allows.
