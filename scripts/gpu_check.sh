@@ -4,7 +4,7 @@
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
 #                        [backward] [memory-format] [eval-variants] [x-read-variants] [bench-strided]
-#                        [bench-train] [wall]
+#                        [bench-train] [bench-eval] [wall]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes);
 # PYTEST_K="expr" passes -k expr to pytest (say, "not cpu" to leave the CPU-parametrized
@@ -91,6 +91,12 @@ if want bench-train; then
   (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,b64,c16,c128,s8,s32,k3,odd \
     --modes train --no-compile --algos auto,fft,cross_spectrum --out "$OUT/train") 2>&1 |
     tee "$OUT/bench-train.log" | tail -30 || status=1
+fi
+if want bench-eval; then
+  step bench-eval
+  # The whole sweep in eval mode, fused_ops against eager (issue #3's targets).
+  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,b64,c16,c128,s8,s32,k3,odd \
+    --modes eval --no-compile --out "$OUT/eval") 2>&1 | tee "$OUT/bench-eval.log" | tail -14 || status=1
 fi
 if want wall; then
   step wall
