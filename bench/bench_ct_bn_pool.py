@@ -87,6 +87,7 @@ class Timing(NamedTuple):
     ms: float                  # median device time of one call (CPU: wall time)
     host_us: Optional[float]   # median wall time of issuing one call, without sync (CUDA only)
     reps: int
+    late: Optional[int] = None  # timed calls whose issue outlasted the GPU sleep (CUDA only)
 
 
 class InputRing:
@@ -129,12 +130,16 @@ class Clock:
         warm_ms, warm_host_us = self.timed_calls(fn, next_input, WARMUP_CALLS, SLEEP_US)
         if warm_ms[-1] > SLOW_CALL_MS:
             reps = min(reps, SLOW_CALL_REPS)
-        sleep_us = SLEEP_US
-        if warm_host_us is not None:
-            # The sleep must outlast issuing the call, or launch gaps would be timed.
-            sleep_us = max(SLEEP_US, 1.5 * statistics.median(warm_host_us))
+        if warm_host_us is None:
+            ms, _ = self.timed_calls(fn, next_input, reps, SLEEP_US)
+            return Timing(statistics.median(ms), None, reps)
+        # The sleep must outlast issuing the call, or launch gaps would be timed: twice the
+        # slowest warm-up issue (1.5x the median let a sweep's later eval rows, issued in
+        # 150-160 us, be timed with launch gaps: k3 read 80 us against 27 us).
+        sleep_us = max(SLEEP_US, 2 * max(warm_host_us))
         ms, host_us = self.timed_calls(fn, next_input, reps, sleep_us)
-        return Timing(statistics.median(ms), None if host_us is None else statistics.median(host_us), reps)
+        late = sum(us > sleep_us for us in host_us)
+        return Timing(statistics.median(ms), statistics.median(host_us), reps, late)
 
     def sync(self):
         pass
@@ -312,7 +317,7 @@ def bandwidth_stats(fused, ring: InputRing, x_numel: int, clock: CudaClock) -> d
 
 ROW_KEYS = ("eager_ms", "compile_ms", "fused_ms", "speedup", "host_us", "relerr_fp64",
             "eager_relerr_fp64", "relerr_running_var", "eager_relerr_running_var", "peak_mib",
-            "eager_peak_mib", "reps", "error")
+            "eager_peak_mib", "reps", "late_calls", "error")
 
 
 def new_row(name, dims, mode, algo, meta) -> dict:
@@ -387,7 +392,9 @@ def bench_mode(name, dims, mode, args, clock, meta, setup: Setup) -> List[dict]:
         row.update(eager_ms=ms_of(eager), compile_ms=ms_of(comp), fused_ms=ms_of(timing),
                    host_us=timing and timing.host_us, eager_peak_mib=eager_peak,
                    reps={"eager": eager and eager.reps, "compile": comp and comp.reps,
-                         "fused": timing and timing.reps})
+                         "fused": timing and timing.reps},
+                   late_calls={"eager": eager and eager.late, "compile": comp and comp.late,
+                               "fused": timing and timing.late})
         row["peak_mib"] = attempt(row_errors, f"fused peak ({algo})", lambda: clock.peak_mib(fused, ring.next()))
         if eager and timing:
             row["speedup"] = eager.ms / timing.ms
