@@ -60,7 +60,7 @@ at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::Tensor
 // What the path needs of the geometry alone, on the device (table_cache.h).
 struct Tables {
   at::Tensor coef_w, coef_h, coef_d;  // the W, H and D stages' coefficients (half_correlation)
-  at::Tensor mirror;                  // phase_energies' mirror counts, [1, 1, ρw + 1, 1, 1]
+  at::Tensor mirror;                  // phase_energies' mirror counts, [ρw + 1]
   at::Tensor slots;                   // tap_slots
 };
 
@@ -73,7 +73,7 @@ Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::Te
   t.coef_h = lag_phases(grid[1], grid[1], lags.step[1], shifted_lags(lags.reach[1], opts));
   t.coef_d =  // with R's 1 / |L|
       lag_phases(grid[0], grid[0], lags.step[0], shifted_lags(lags.reach[0], opts)).div_(size);
-  t.mirror = mirror_count(2 * lags.reach[2] + 1, opts).view({1, 1, -1, 1, 1});
+  t.mirror = mirror_count(2 * lags.reach[2] + 1, opts);
   t.slots = tap_slots(g, sub, opts.dtype(at::kLong));
   return t;
 }
@@ -131,7 +131,8 @@ at::Tensor full_correlation(const at::Tensor& half, const Lags& lags) {
 // DFTs are exact (§3.5). r: R at every lag, in ifftshift order (full_correlation).
 // stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] double, so that their DFT
 // comes out with a frequency's [Cig, P Cog] matrix contiguous.
-at::Tensor phase_energies(const at::Tensor& r, const at::Tensor& stack, const at::Tensor& mirror) {
+at::Tensor phase_energies(const Backend& backend, const at::Tensor& r, const at::Tensor& stack,
+                          const at::Tensor& mirror) {
   const int64_t small[3] = {r.size(0), r.size(1), r.size(2)};
   const int64_t groups = stack.size(3), cig = stack.size(4), phases = stack.size(5),
                 cog = stack.size(6);
@@ -145,12 +146,8 @@ at::Tensor phase_energies(const at::Tensor& r, const at::Tensor& stack, const at
     const at::Tensor w_hat =  // [Md, Mh, Mwf, G, Cig, P n]
         at::fft_rfftn(stack.narrow(6, c0, n), at::IntArrayRef(small, 3), at::IntArrayRef{0, 1, 2})
             .reshape({r_hat.size(0), r_hat.size(1), r_hat.size(2), groups, cig, phases * n});
-    // Re(conj(W) . (R^ W)) summed over Cig, as real products: no conjugated copy.
-    const at::Tensor quad =
-        at::mul(at::view_as_real(w_hat), at::view_as_real(at::matmul(r_hat, w_hat)))
-            .sum(at::IntArrayRef{4, 6});
-    energy.narrow(2, c0, n).copy_(
-        quad.mul_(mirror).sum(at::IntArrayRef{0, 1, 2}).view({groups, phases, n}));
+    const at::Tensor quad = backend.quad_forms(w_hat, at::matmul(r_hat, w_hat), mirror);
+    energy.narrow(2, c0, n).copy_(quad.view({groups, phases, n}));
   }
   const double size = static_cast<double>(small[0] * small[1] * small[2]);
   return energy.sum(1).div_(size);
@@ -172,6 +169,12 @@ at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64
   const at::Tensor q =
       at::matmul(coef.to(s.scalar_type()).t(), s.reshape({count * lh, lwf, groups * cig * cig}));
   return q.view({count, lh, coef.size(1), groups, cig, cig});
+}
+
+// Re(conj(W) . V) as real products: no conjugated copy.
+at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror) {
+  const at::Tensor quad = at::mul(at::view_as_real(w_hat), at::view_as_real(v)).sum(at::IntArrayRef{4, 6});
+  return quad.mul_(mirror.view({1, 1, -1, 1, 1})).sum(at::IntArrayRef{0, 1, 2});
 }
 
 void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate) {
@@ -199,7 +202,7 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
                                .stack(g, sub)
                                .permute({4, 5, 6, 0, 1, 3, 2})
                                .contiguous();
-  const at::Tensor energy = phase_energies(r, stack, tables.mirror).view({g.out_channels});
+  const at::Tensor energy = phase_energies(backend, r, stack, tables.mirror).view({g.out_channels});
   return energy.add(phase_sum_correction(weight, sums, g, sub, slots))
       .view({1, g.out_channels, 1});
 }

@@ -83,6 +83,10 @@ struct Backend {
   // tables may be cached under (table_cache.h), or -1 while that stream is being captured
   // into a CUDA graph.
   int64_t (*table_stream)(const at::Device& device);
+  // The contraction's quadratic forms (§3.5): [G, C] double, sum over the bins
+  // (g_d, g_h, g_w) and i of mirror[g_w] Re(conj(w_hat) v) at [g_d, g_h, g_w, G, i, c];
+  // w_hat and v [Md, Mh, Mw, G, Cig, C] complex128, mirror [Mw] double.
+  at::Tensor (*quad_forms)(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
 };
 
 // Device-independent pieces, written with ATen ops.
@@ -108,6 +112,8 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
 at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);
 void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
+// Backend::quad_forms with ATen ops (the CPU's).
+at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
 // The weight as the direct kernel reads it (see conv_transpose_point.h).
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);
 

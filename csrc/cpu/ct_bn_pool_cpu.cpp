@@ -170,7 +170,8 @@ int64_t table_stream_cpu(const at::Device&) { return 0; }
 const Backend kCpuBackend = {sample_sums_cpu,      energy_direct_cpu, finalize_cpu,
                              auto_energy_algo_cpu, nullptr,           nullptr,
                              nullptr,              cross_spectrum_rows_aten,
-                             lag_stage_aten,       table_stream_cpu};
+                             lag_stage_aten,       table_stream_cpu,
+                             quad_forms_aten};
 
 }  // namespace
 

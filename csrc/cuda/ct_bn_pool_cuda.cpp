@@ -139,7 +139,8 @@ int64_t table_stream_cuda(const at::Device& device) {
 const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, finalize_any_cuda,
                               auto_energy_algo_cuda,       energy_fft_cuda,    fft_applies_cuda,
                               eval_sample_sums_cuda,       cross_spectrum_rows_cuda,
-                              lag_stage_cuda,              table_stream_cuda};
+                              lag_stage_cuda,              table_stream_cuda,
+                              quad_forms_cuda};
 
 }  // namespace
 

@@ -1,0 +1,98 @@
+// The cross-spectrum path's contraction (docs/math.md §3.5): for each column c of a
+// group (an output channel of a phase), sum over the kept bins g and input channels i
+// of mirror(g) Re(conj(W[g, i, c]) V[g, i, c]), V = R^ W. As ATen ops this was a
+// product into a temporary as large as W, two reductions and a scaling per chunk of
+// columns (0.09 ms per seed call, docs/performance.md); here it is one read of W and
+// V. A block owns 32 adjacent columns (coalesced 16-byte loads) and a slice of the
+// (g, i) rows; the slices' sums are added by the caller in a fixed order, so the
+// result does not depend on scheduling.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+#include "cuda/kernels.h"
+#include "message.h"
+
+namespace fused_ops {
+namespace {
+
+constexpr int kCols = 32;     // columns per block, one per lane
+constexpr int kRowLanes = 8;  // warps per block, each striding over the block's rows
+constexpr int kThreads = kCols * kRowLanes;
+
+struct QuadArgs {
+  const double2* w;      // [bins, G, Cig, cols]
+  const double2* v;      // same
+  const double* mirror;  // [mw]: weight of a bin by its last frequency index
+  double* partial;       // [slices, G, cols]
+  int64_t bins, mw, groups, cig, cols, rows_per_slice;
+};
+
+__global__ void __launch_bounds__(kThreads) quad_form_kernel(QuadArgs a) {
+  __shared__ double sums[kRowLanes][kCols];
+  const int lane = static_cast<int>(threadIdx.x % kCols), warp = static_cast<int>(threadIdx.x / kCols);
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kCols + lane;
+  const int64_t group = blockIdx.z;
+  const int64_t rows = a.bins * a.cig;  // (g, i) of the group
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * a.rows_per_slice;
+  const int64_t r1 = min(rows, r0 + a.rows_per_slice);
+  double acc = 0;
+  if (col < a.cols) {
+#pragma unroll 4
+    for (int64_t r = r0 + warp; r < r1; r += kRowLanes) {
+      const int64_t bin = r / a.cig, i = r % a.cig;
+      const int64_t at = ((bin * a.groups + group) * a.cig + i) * a.cols + col;
+      const double2 w = a.w[at], v = a.v[at];
+      acc = fma(a.mirror[bin % a.mw], fma(w.x, v.x, w.y * v.y), acc);
+    }
+  }
+  sums[warp][lane] = acc;
+  __syncthreads();
+  if (warp != 0 || col >= a.cols) return;
+  double total = 0;
+#pragma unroll
+  for (int k = 0; k < kRowLanes; ++k) total += sums[k][lane];
+  a.partial[(static_cast<int64_t>(blockIdx.y) * a.groups + group) * a.cols + col] = total;
+}
+
+}  // namespace
+
+at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror) {
+  const c10::cuda::CUDAGuard guard(w_hat.device());
+  TORCH_CHECK(w_hat.dim() == 6 && v.sizes() == w_hat.sizes() &&
+                  w_hat.scalar_type() == at::kComplexDouble && v.scalar_type() == at::kComplexDouble &&
+                  mirror.scalar_type() == at::kDouble && mirror.dim() == 1 &&
+                  mirror.size(0) == w_hat.size(2),
+              "ct_bn_pool: quad_forms_cuda: inconsistent shapes or dtypes");
+  const at::Tensor w = w_hat.contiguous(), vc = v.contiguous(), m = mirror.contiguous();
+  QuadArgs a;
+  a.bins = w.size(0) * w.size(1) * w.size(2);
+  a.mw = w.size(2);
+  a.groups = w.size(3);
+  a.cig = w.size(4);
+  a.cols = w.size(5);
+  const int64_t rows = a.bins * a.cig;
+  const int64_t col_tiles = (a.cols + kCols - 1) / kCols;
+  // Enough slices for about four blocks per SM, each with at least a few rows per warp.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t wanted = (4 * sms + col_tiles * a.groups - 1) / (col_tiles * a.groups);
+  const int64_t slices = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, rows / (4 * kRowLanes)));
+  a.rows_per_slice = (rows + slices - 1) / slices;
+  TORCH_CHECK(col_tiles < (int64_t(1) << 31) && slices < 65536 && a.groups < 65536,
+              "ct_bn_pool: problem too large for the cross-spectrum contraction (", to_str(a.cols),
+              " columns, ", to_str(a.groups), " groups)");
+  auto partial = at::empty({slices, a.groups, a.cols}, w.options().dtype(at::kDouble));
+  a.w = reinterpret_cast<const double2*>(w.data_ptr());
+  a.v = reinterpret_cast<const double2*>(vc.data_ptr());
+  a.mirror = m.data_ptr<double>();
+  a.partial = partial.data_ptr<double>();
+  const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(slices),
+                  static_cast<unsigned>(a.groups));
+  quad_form_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return partial.sum(0);
+}
+
+}  // namespace fused_ops
