@@ -4,7 +4,7 @@
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
 #                        [backward] [memory-format] [eval-variants] [x-read-variants] [bench-strided]
-#                        [bench-train] [bench-eval] [wall]
+#                        [bench-train] [bench-eval] [bench-small] [wall]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes);
 # PYTEST_K="expr" passes -k expr to pytest (say, "not cpu" to leave the CPU-parametrized
@@ -91,6 +91,13 @@ if want bench-train; then
   (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,b64,c16,c128,s8,s32,k3,odd \
     --modes train --no-compile --algos auto,fft,cross_spectrum --out "$OUT/train") 2>&1 |
     tee "$OUT/bench-train.log" | tail -30 || status=1
+fi
+if want bench-small; then
+  step bench-small
+  # The smaller stride-1 problems in training with every algorithm, direct and cuDNN over
+  # slices included: where launch latency, not work, decides (the auto rule for them).
+  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems odd,s8,c16,b4 --modes train --no-compile \
+    --algos auto,fft,cross_spectrum,direct,sliced_conv --out "$OUT/small") 2>&1 | tee "$OUT/bench-small.log" | tail -22 || status=1
 fi
 if want bench-eval; then
   step bench-eval
