@@ -143,9 +143,12 @@ at::Tensor phase_energies(const Backend& backend, const at::Tensor& r, const at:
   auto energy = at::empty({groups, phases, cog}, stack.options());
   for (int64_t c0 = 0; c0 < cog; c0 += chunk) {
     const int64_t n = std::min(chunk, cog - c0);
-    const at::Tensor w_hat =  // [Md, Mh, Mwf, G, Cig, P n]
+    // [Md, Mh, Mwf, G, Cig, P n]; the FFT leaves the bins innermost, and one copy into this
+    // order serves both the GEMM and the quadratic forms.
+    const at::Tensor w_hat =
         at::fft_rfftn(stack.narrow(6, c0, n), at::IntArrayRef(small, 3), at::IntArrayRef{0, 1, 2})
-            .reshape({r_hat.size(0), r_hat.size(1), r_hat.size(2), groups, cig, phases * n});
+            .reshape({r_hat.size(0), r_hat.size(1), r_hat.size(2), groups, cig, phases * n})
+            .contiguous();
     const at::Tensor quad = backend.quad_forms(w_hat, at::matmul(r_hat, w_hat), mirror);
     energy.narrow(2, c0, n).copy_(quad.view({groups, phases, n}));
   }

@@ -66,7 +66,7 @@ at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const a
                   mirror.scalar_type() == at::kDouble && mirror.dim() == 1 &&
                   mirror.size(0) == w_hat.size(2),
               "ct_bn_pool: quad_forms_cuda: inconsistent shapes or dtypes");
-  const at::Tensor w = w_hat.contiguous(), vc = v.contiguous(), m = mirror.contiguous();
+  const at::Tensor w = w_hat.contiguous(), vc = v.contiguous(), m = mirror.contiguous();  // no-ops here
   QuadArgs a;
   a.bins = w.size(0) * w.size(1) * w.size(2);
   a.mw = w.size(2);
