@@ -165,12 +165,15 @@ def test_cross_spectrum_builds_its_tables_once_per_geometry(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("batch, expected", [(16, "cross_spectrum"), (4, "fft")], ids=["seed", "b4"])
-def test_auto_on_cuda_at_stride_1_weighs_the_cross_spectrum(batch, expected):
-    """At stride 1 CUDA auto takes the cross-spectrum where its work is large enough for its
-    GPU time to cover its host time (the seed problem), else the FFT path (the seed problem
-    with a batch of 4): docs/performance.md, 11:52 UTC run. Checked against float64 on the GPU."""
-    p = Problem(batch, 64, 128, (16, 32, 32), (5, 5, 5))
+@pytest.mark.parametrize("batch, size, expected", [(16, (16, 32, 32), "cross_spectrum"),
+                                                   (4, (16, 32, 32), "cross_spectrum"),
+                                                   (16, (8, 16, 16), "fft")], ids=["seed", "b4", "s8"])
+def test_auto_on_cuda_at_stride_1_weighs_the_cross_spectrum(batch, size, expected):
+    """At stride 1 CUDA auto takes the cross-spectrum where its work is large enough to beat
+    the FFT path (the seed problem and its batch of 4: 1.2e9 and 5.0e8 multiply-adds), else
+    the FFT path (s8, 2.3e8): csrc/cuda/ct_bn_pool_cuda.cpp, docs/performance.md (14:14 UTC
+    run). Checked against float64 on the GPU."""
+    p = Problem(batch, 64, 128, size, (5, 5, 5))
     ref, fused = make_models(p, torch.float32, "cuda")
     ref.cuda().train()
     fused.train()

@@ -98,13 +98,13 @@ double cross_spectrum_lag_bytes(const ConvGeometry& g) {
 }
 
 // At stride 1 the cross-spectrum takes less GPU time than the FFT path where its
-// per-frequency work (B + k_w) Cig^2 is below the FFT path's (B + k_d) Cig Cog, but it
-// issues several hundred ATen ops per call (1.7 to 2.7 ms of host time on the seed
-// problem): it is taken where its work is large enough for its GPU time to cover that
-// (docs/performance.md, 11:52 UTC run: seed 1.18e9 multiply-adds, 1.77 ms against fft's
-// 2.07; k3 8.6e8, 1.22 ms against 1.71, but slower in an eager loop) and its lags stay
-// under kMaxLagBytes.
-constexpr double kCrossSpectrumMinWork = 1e9;
+// per-frequency work (B + k_w) Cig^2 is below the FFT path's (B + k_d) Cig Cog and its
+// work is large enough to cover its fixed costs; it also issues about 1 ms of host work
+// per call (several hundred ATen ops), which an eager loop pays whenever its GPU time is
+// shorter. docs/performance.md, 14:14 UTC run (multiply-adds: GPU ms against fft's):
+// s8 2.3e8: 0.86 against 0.48; b4 5.0e8: 1.16 against 1.72 (issue 0.97 ms); k3 8.6e8:
+// 1.10 against 1.72; seed 1.2e9: 1.59 against 2.07. Its lags stay under kMaxLagBytes.
+constexpr double kCrossSpectrumMinWork = 4e8;
 constexpr double kMaxLagBytes = 256.0 * (1 << 20);
 bool cross_spectrum_beats_fft(const ConvGeometry& g) {
   const ConvGeometry sub = phase_geometry(g);
