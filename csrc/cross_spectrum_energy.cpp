@@ -197,7 +197,7 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
   const Tables tables = tables_for(backend, g, sub, x);
   at::Tensor r;
   {  // x's spectrum is freed before the contraction
-    const at::Tensor x_spec = x_spectrum(x, sub.out_size);
+    const at::Tensor x_spec = x_spectrum(x, sub.out_size, backend.spectrum_copies);
     r = full_correlation(half_correlation(backend, x_spec, sub.out_size, tables, g.groups), lags);
   }
   const at::Tensor& slots = tables.slots;

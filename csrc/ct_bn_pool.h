@@ -6,6 +6,7 @@
 #include "bn_finalize.h"
 #include "geometry.h"
 #include "sample_sums.h"
+#include "x_spectrum.h"
 
 namespace fused_ops {
 
@@ -87,6 +88,8 @@ struct Backend {
   // (g_d, g_h, g_w) and i of mirror[g_w] Re(conj(w_hat) v) at [g_d, g_h, g_w, G, i, c];
   // w_hat and v [Md, Mh, Mw, G, Cig, C] complex128, mirror [Mw] double.
   at::Tensor (*quad_forms)(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
+  // The copies around x's FFT (x_spectrum.h).
+  SpectrumCopies spectrum_copies;
 };
 
 // Device-independent pieces, written with ATen ops.

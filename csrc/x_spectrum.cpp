@@ -10,7 +10,15 @@ constexpr int64_t kFftSliceBytes = int64_t(32) << 20;
 
 }  // namespace
 
-at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3]) {
+void pad_aten(const at::Tensor& x, const at::Tensor& padded) {
+  padded.narrow(2, 0, x.size(2)).narrow(3, 0, x.size(3)).narrow(4, 0, x.size(4)).copy_(x);
+}
+
+void scatter_aten(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0) {
+  spectrum.narrow(3, b0, part.size(0)).copy_(part.permute({2, 3, 4, 0, 1}));
+}
+
+at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const SpectrumCopies& copies) {
   const int64_t batch = x.size(0), channels = x.size(1), lwf = grid[2] / 2 + 1;
   const at::ScalarType complex = x.scalar_type() == at::kDouble ? at::kComplexDouble
                                                                 : at::kComplexFloat;
@@ -23,9 +31,8 @@ at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3]) {
   for (int64_t b0 = 0; b0 < batch; b0 += slice) {
     const int64_t n = std::min(slice, batch - b0);
     const at::Tensor in = padded.narrow(0, 0, n);
-    in.narrow(2, 0, x.size(2)).narrow(3, 0, x.size(3)).narrow(4, 0, x.size(4)).copy_(x.narrow(0, b0, n));
-    auto part = at::fft_rfftn(in, c10::nullopt, {2, 3, 4});
-    spectrum.narrow(3, b0, n).copy_(part.permute({2, 3, 4, 0, 1}));
+    copies.pad(x.narrow(0, b0, n), in);
+    copies.scatter(at::fft_rfftn(in, c10::nullopt, {2, 3, 4}), spectrum, b0);
   }
   return spectrum;
 }

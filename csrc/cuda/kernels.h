@@ -52,5 +52,9 @@ at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64
 void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
 // Backend::quad_forms: quad_form.cu, one read of w_hat and v.
 at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
+// SpectrumCopies (x_spectrum.h): x_spectrum_copies.cu, ATen's copies for other layouts.
+void pad_cuda(const at::Tensor& x, const at::Tensor& padded);
+void scatter_cuda(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0);
+constexpr SpectrumCopies kCudaSpectrumCopies = {pad_cuda, scatter_cuda};
 
 }  // namespace fused_ops
