@@ -9,8 +9,8 @@ namespace fused_ops {
 
 // The two copies around the FFT, which a device may do faster than ATen's strided copies
 // (CUDA: x_spectrum_copies.cu). pad: padded[:, :, :D, :H, :W] = x, padded [n, Ci, Ld, Lh,
-// Lw] contiguous. scatter: spectrum[:, :, :, b0 + k, :] = part[k] for part [n, Ci, Ld,
-// Lh, Lwf] and spectrum [Ld, Lh, Lwf, B, Ci] contiguous.
+// Lw] contiguous. scatter: spectrum[f, b0 + k, c] = part[k, c, f] for part [n, Ci, Ld, Lh,
+// Lwf] and spectrum [Ld, Lh, Lwf, B, Ci] contiguous, f = (fd, fh, fw).
 struct SpectrumCopies {
   void (*pad)(const at::Tensor& x, const at::Tensor& padded);
   void (*scatter)(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0);
