@@ -169,7 +169,8 @@ class CudaClock(Clock):
     torch.cuda._sleep keeps the GPU busy while the host enqueues the start event, the
     call's kernels and the end event; when the sleep ends they run back to back, so the
     events measure GPU time without host launch overhead (which is reported apart as
-    host_us). The sleep lasts SLEEP_US, or 1.5x the call's issue time if that is longer.
+    host_us). The sleep lasts SLEEP_US, or twice the slowest warm-up call's issue if longer
+    (Clock.measure).
     Each call starts on an idle GPU: queued behind earlier calls, a call whose GPU time
     exceeds its issue time filled the launch queue and its host_us measured the wait
     (fft on c128 read 11.5 ms, its GPU time 10.5 ms).

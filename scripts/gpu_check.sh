@@ -21,6 +21,14 @@ status=0
 step() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
 want() { [[ " $steps " == *" $1 "* ]]; }
 
+# run_bench LOG LINES ARGS...: the benchmark from /tmp (so the installed package is imported),
+# its output in $OUT/LOG.log, the last LINES lines shown.
+run_bench() {
+  local log=$1 lines=$2
+  shift 2
+  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" "$@") 2>&1 | tee "$OUT/$log.log" | tail -"$lines" || status=1
+}
+
 if want build; then
   step build
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -74,36 +82,30 @@ if want ncu; then
 fi
 if want bench; then
   step bench
-  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed --no-compile \
-    --algos auto,fft,sliced_conv --out "$OUT") 2>&1 | tee "$OUT/bench-seed.log" | tail -20 || status=1
+  run_bench bench-seed 20 --problems seed --no-compile --algos auto,fft,sliced_conv --out "$OUT"
 fi
 if want bench-strided; then
   step bench-strided
   # The strided problems in training with every algorithm that covers them (the auto rule
   # for strides rests on this; docs/performance.md).
-  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems st2,up2 --modes train --no-compile \
-    --algos auto,fft,sliced_conv,correlation,cross_spectrum --out "$OUT/strided") 2>&1 | tee "$OUT/bench-strided.log" | tail -14 || status=1
+  run_bench bench-strided 14 --problems st2,up2 --modes train --no-compile --algos auto,fft,sliced_conv,correlation,cross_spectrum --out "$OUT/strided"
 fi
 if want bench-train; then
   step bench-train
   # The stride-1 sweep in training with the FFT and cross-spectrum paths (the auto rule
   # for stride 1 rests on this; docs/performance.md).
-  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,b64,c16,c128,s8,s32,k3,odd \
-    --modes train --no-compile --algos auto,fft,cross_spectrum --out "$OUT/train") 2>&1 |
-    tee "$OUT/bench-train.log" | tail -30 || status=1
+  run_bench bench-train 30 --problems seed,b4,b64,c16,c128,s8,s32,k3,odd --modes train --no-compile --algos auto,fft,cross_spectrum --out "$OUT/train"
 fi
 if want bench-small; then
   step bench-small
   # The smaller stride-1 problems in training with every algorithm, direct and cuDNN over
   # slices included: where launch latency, not work, decides (the auto rule for them).
-  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems odd,s8,c16,b4 --modes train --no-compile \
-    --algos auto,fft,cross_spectrum,direct,sliced_conv --out "$OUT/small") 2>&1 | tee "$OUT/bench-small.log" | tail -22 || status=1
+  run_bench bench-small 22 --problems odd,s8,c16,b4 --modes train --no-compile --algos auto,fft,cross_spectrum,direct,sliced_conv --out "$OUT/small"
 fi
 if want bench-eval; then
   step bench-eval
   # The whole sweep in eval mode, fused_ops against eager (issue #3's targets).
-  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,b64,c16,c128,s8,s32,k3,odd \
-    --modes eval --no-compile --out "$OUT/eval") 2>&1 | tee "$OUT/bench-eval.log" | tail -14 || status=1
+  run_bench bench-eval 14 --problems seed,b4,b64,c16,c128,s8,s32,k3,odd --modes eval --no-compile --out "$OUT/eval"
 fi
 if want wall; then
   step wall
@@ -117,8 +119,7 @@ if want memory-format; then
   step memory-format
   # channels_last_3d inputs for all three implementations (docs/performance.md, memory formats);
   # compare with the contiguous rows of `bench` or `bench-full`.
-  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --problems seed,b4,c16,s8 --no-compile \
-    --memory-format channels_last_3d --out "$OUT") 2>&1 | tee "$OUT/bench-channels-last.log" | tail -20 || status=1
+  run_bench bench-channels-last 20 --problems seed,b4,c16,s8 --no-compile --memory-format channels_last_3d --out "$OUT"
 fi
 # A standalone CUDA microbenchmark (no torch): scripts/$1.cu built with nvcc and run, its
 # output in $OUT/<name>.log; it exits non-zero if a variant's output is off its host reference.
@@ -157,8 +158,7 @@ fi
 if want bench-full; then
   step bench-full
   # torch.compile takes 10-20 s per problem and mode, so it is timed where it matters most.
-  (cd /tmp && python3 "$REPO/bench/bench_ct_bn_pool.py" --compile-problems seed,b4,s8 --out "$OUT") 2>&1 |
-    tee "$OUT/bench.log" | tail -40 || status=1
+  run_bench bench 40 --compile-problems seed,b4,s8 --out "$OUT"
 fi
 step "done, status $status"
 exit $status
