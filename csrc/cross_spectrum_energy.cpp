@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "phases.h"
 #include "table_cache.h"
@@ -17,9 +18,17 @@ namespace fused_ops {
 namespace {
 
 // Bytes of the W-stage's output (Q, x's spectrum's dtype) per chunk of depth frequencies,
-// and of the sub-kernels' spectra per chunk of output channels.
-constexpr int64_t kRowsBytes = int64_t(48) << 20;
-constexpr int64_t kWeightBytes = int64_t(32) << 20;
+// and of the sub-kernels' spectra per chunk of output channels: as much as x's spectrum
+// (rows) and half of it (channels), within these bounds, so that the path's temporaries
+// shrink with the batch (below eager PyTorch's on the `b4` bench problem,
+// docs/performance.md). With half of x's spectrum for both, b4 took 1.42 ms against
+// 1.14 with 48 and 32 MiB: fewer rows per chunk leave the W stage's launches few blocks.
+constexpr int64_t kMinChunkBytes = int64_t(8) << 20;
+constexpr int64_t kMaxRowsBytes = int64_t(48) << 20;
+constexpr int64_t kMaxWeightBytes = int64_t(32) << 20;
+int64_t chunk_budget(const at::Tensor& x_spec, int64_t share, int64_t max_bytes) {
+  return std::clamp<int64_t>(x_spec.numel() * x_spec.element_size() / share, kMinChunkBytes, max_bytes);
+}
 
 // [n, M] complex128 on `opts`' device: exp(2 pi i f step m / size) for frequencies
 // f < n and the M lags m of `lags` (long). The angle is reduced modulo size in
@@ -57,10 +66,32 @@ at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::Tensor
   return lag_phases(size, bins, lags.step[2], m).mul_(mirror_count(size, opts).unsqueeze(1));
 }
 
+// [Md Mh (Mw/2 + 1), 2, k'd k'h k'w] double: the real and imaginary parts of the real
+// DFT on the grid M = 2k' - 1 of a sub-kernel's k' taps per dim, as a matrix: a
+// sub-kernel's spectrum is then one GEMM with it (weight_spectrum). Angles are reduced
+// modulo M in integers, as in lag_phases.
+at::Tensor tap_dft(const Lags& lags, const at::TensorOptions& opts) {
+  at::Tensor angle;  // [nd, nh, nw, kd, kh, kw]
+  for (int d = 0; d < 3; ++d) {
+    const int64_t taps = lags.reach[d] + 1, size = 2 * taps - 1, bins = d == 2 ? size / 2 + 1 : size;
+    const at::Tensor f = at::arange(bins, opts.dtype(at::kLong)).unsqueeze(1);
+    const at::Tensor m = at::arange(taps, opts.dtype(at::kLong)).unsqueeze(0);
+    std::vector<int64_t> shape(6, 1);
+    shape[d] = bins;
+    shape[d + 3] = taps;
+    const at::Tensor part = at::remainder(f * m, size).to(at::kDouble).mul_(-2 * M_PI / size).view(shape);
+    angle = angle.defined() ? angle + part : part;
+  }
+  const int64_t bins = angle.size(0) * angle.size(1) * angle.size(2);
+  const at::Tensor flat = angle.reshape({bins, 1, -1});
+  return at::cat({at::cos(flat), at::sin(flat)}, 1);
+}
+
 // What the path needs of the geometry alone, on the device (table_cache.h).
 struct Tables {
   at::Tensor coef_w, coef_h, coef_d;  // the W, H and D stages' coefficients (half_correlation)
   at::Tensor mirror;                  // phase_energies' mirror counts, [ρw + 1]
+  at::Tensor dft;                     // tap_dft
   at::Tensor slots;                   // tap_slots
 };
 
@@ -74,6 +105,7 @@ Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::Te
   t.coef_d =  // with R's 1 / |L|
       lag_phases(grid[0], grid[0], lags.step[0], shifted_lags(lags.reach[0], opts)).div_(size);
   t.mirror = mirror_count(2 * lags.reach[2] + 1, opts);
+  t.dft = tap_dft(lags, opts);
   t.slots = tap_slots(g, sub, opts.dtype(at::kLong));
   return t;
 }
@@ -103,7 +135,7 @@ at::Tensor half_correlation(const Backend& backend, const at::Tensor& x_spec, co
   const at::Tensor &coef_w = tables.coef_w, &coef_h = tables.coef_h, &coef_d = tables.coef_d;
   const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1);
   const int64_t fd_bytes = grid[1] * mw * entries * x_spec.element_size();
-  const int64_t chunk = std::clamp<int64_t>(kRowsBytes / fd_bytes, 1, grid[0]);
+  const int64_t chunk = std::clamp<int64_t>(chunk_budget(x_spec, 1, kMaxRowsBytes) / fd_bytes, 1, grid[0]);
   auto r = at::zeros({1, md, mh * mw * entries}, coef_d.options());
   for (int64_t fd0 = 0; fd0 < grid[0]; fd0 += chunk) {
     const int64_t n = std::min(chunk, grid[0] - fd0);
@@ -126,30 +158,39 @@ at::Tensor full_correlation(const at::Tensor& half, const Lags& lags) {
   return at::cat({half, mirrored}, 2);
 }
 
+// The spectra of sub-kernels, [bins, columns] complex128, from their taps [k'd k'h k'w,
+// columns] double: one GEMM with tap_dft, whose [bins, 2, columns] real product is
+// interleaved into complex values. ATen's rfftn of the zero-padded taps took three
+// strided copies besides its transforms (docs/performance.md, 2026-11-30 profile).
+at::Tensor weight_spectrum(const at::Tensor& dft, const at::Tensor& taps) {
+  const at::Tensor planar = at::mm(dft.view({-1, dft.size(2)}), taps);  // [bins 2, columns]
+  const int64_t bins = dft.size(0), columns = taps.size(1);
+  return at::view_as_complex(planar.view({bins, 2, columns}).transpose(1, 2).contiguous());
+}
+
 // [G, Cog] double: sum over the phases r of sum_{m, m'} w_r[:, c, m]^T R(m - m') w_r[:, c, m'],
 // as (1 / |M|) sum_g W_r(g)^H R^(g) W_r(g) on the grid M = 2k' - 1 per dim, where both
 // DFTs are exact (§3.5). r: R at every lag, in ifftshift order (full_correlation).
+// budget: bytes of the sub-kernels' spectra per chunk of output channels.
 // stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] double, so that their DFT
 // comes out with a frequency's [Cig, P Cog] matrix contiguous.
 at::Tensor phase_energies(const Backend& backend, const at::Tensor& r, const at::Tensor& stack,
-                          const at::Tensor& mirror) {
+                          const Tables& tables, int64_t budget) {
   const int64_t small[3] = {r.size(0), r.size(1), r.size(2)};
   const int64_t groups = stack.size(3), cig = stack.size(4), phases = stack.size(5),
                 cog = stack.size(6);
   const at::Tensor r_hat = at::fft_rfftn(r, c10::nullopt, at::IntArrayRef{0, 1, 2});
   const int64_t bins = r_hat.size(0) * r_hat.size(1) * r_hat.size(2);
   const int64_t channel_bytes = bins * groups * cig * phases * 16;
-  const int64_t chunk = std::clamp<int64_t>(kWeightBytes / channel_bytes, 1, cog);
+  const int64_t chunk = std::clamp<int64_t>(budget / channel_bytes, 1, cog);
   auto energy = at::empty({groups, phases, cog}, stack.options());
   for (int64_t c0 = 0; c0 < cog; c0 += chunk) {
     const int64_t n = std::min(chunk, cog - c0);
-    // [Md, Mh, Mwf, G, Cig, P n]; the FFT leaves the bins innermost, and one copy into this
-    // order serves both the GEMM and the quadratic forms.
-    const at::Tensor w_hat =
-        at::fft_rfftn(stack.narrow(6, c0, n), at::IntArrayRef(small, 3), at::IntArrayRef{0, 1, 2})
-            .reshape({r_hat.size(0), r_hat.size(1), r_hat.size(2), groups, cig, phases * n})
-            .contiguous();
-    const at::Tensor quad = backend.quad_forms(w_hat, at::matmul(r_hat, w_hat), mirror);
+    // [Md, Mh, Mwf, G, Cig, P n]: the order that serves both the GEMM and the quadratic forms.
+    const at::Tensor taps = stack.narrow(6, c0, n).reshape({-1, groups * cig * phases * n});
+    const at::Tensor w_hat = weight_spectrum(tables.dft, taps)
+                                 .view({r_hat.size(0), r_hat.size(1), r_hat.size(2), groups, cig, phases * n});
+    const at::Tensor quad = backend.quad_forms(w_hat, at::matmul(r_hat, w_hat), tables.mirror);
     energy.narrow(2, c0, n).copy_(quad.view({groups, phases, n}));
   }
   const double size = static_cast<double>(small[0] * small[1] * small[2]);
@@ -196,16 +237,18 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
   const Lags lags(sub);
   const Tables tables = tables_for(backend, g, sub, x);
   at::Tensor r;
+  int64_t weight_budget = 0;
   {  // x's spectrum is freed before the contraction
     const at::Tensor x_spec = x_spectrum(x, sub.out_size, backend.spectrum_copies);
     r = full_correlation(half_correlation(backend, x_spec, sub.out_size, tables, g.groups), lags);
+    weight_budget = chunk_budget(x_spec, 2, kMaxWeightBytes);
   }
   const at::Tensor& slots = tables.slots;
   const at::Tensor stack = phase_taps(weight, g, sub, slots)  // [k'd, k'h, k'w, G, Cig, P, Cog]
                                .stack(g, sub)
                                .permute({4, 5, 6, 0, 1, 3, 2})
                                .contiguous();
-  const at::Tensor energy = phase_energies(backend, r, stack, tables.mirror).view({g.out_channels});
+  const at::Tensor energy = phase_energies(backend, r, stack, tables, weight_budget).view({g.out_channels});
   return energy.add(phase_sum_correction(weight, sums, g, sub, slots))
       .view({1, g.out_channels, 1});
 }

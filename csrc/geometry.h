@@ -25,6 +25,7 @@ struct ConvGeometry {
   // A transposed convolution scatters input i to output i*s - p + k*d.
   FO_HD int64_t tap_source(int dim, int64_t o, int64_t k) const {
     const int64_t t = o + padding[dim] - k * dilation[dim];
+    if (stride[dim] == 1) return t >= 0 && t < in_size[dim] ? t : -1;  // no 64-bit division
     if (t < 0 || t % stride[dim] != 0) return -1;
     const int64_t i = t / stride[dim];
     return i < in_size[dim] ? i : -1;

@@ -65,7 +65,7 @@ fi
 if want profile; then
   step profile
   (cd /tmp && python3 "$REPO/scripts/profile_seed.py" eval && python3 "$REPO/scripts/profile_seed.py" train &&
-    python3 "$REPO/scripts/profile_seed.py" eval channels_last_3d) 2>&1 | tee "$OUT/profile.log" | grep -v "^-" | cut -c1-150 || status=1
+    python3 "$REPO/scripts/profile_seed.py" eval channels_last_3d) 2>&1 | tee "$OUT/profile.log" || status=1
 fi
 if want ncu; then
   step ncu
@@ -94,18 +94,18 @@ if want bench-train; then
   step bench-train
   # The stride-1 sweep in training with the FFT and cross-spectrum paths (the auto rule
   # for stride 1 rests on this; docs/performance.md).
-  run_bench bench-train 30 --problems seed,b4,b64,c16,c128,s8,s32,k3,odd --modes train --no-compile --algos auto,fft,cross_spectrum --out "$OUT/train"
+  run_bench bench-train 36 --problems seed,b4,b64,c16,c128,s8,s32,k3,odd,t8,t8c32 --modes train --no-compile --algos auto,fft,cross_spectrum --out "$OUT/train"
 fi
 if want bench-small; then
   step bench-small
   # The smaller stride-1 problems in training with every algorithm, direct and cuDNN over
   # slices included: where launch latency, not work, decides (the auto rule for them).
-  run_bench bench-small 22 --problems odd,s8,c16,b4 --modes train --no-compile --algos auto,fft,cross_spectrum,direct,sliced_conv --out "$OUT/small"
+  run_bench bench-small 34 --problems odd,t8,t8c32,s8,c16,b4 --modes train --no-compile --algos auto,fft,cross_spectrum,direct,sliced_conv --out "$OUT/small"
 fi
 if want bench-eval; then
   step bench-eval
   # The whole sweep in eval mode, fused_ops against eager (issue #3's targets).
-  run_bench bench-eval 14 --problems seed,b4,b64,c16,c128,s8,s32,k3,odd --modes eval --no-compile --out "$OUT/eval"
+  run_bench bench-eval 16 --problems seed,b4,b64,c16,c128,s8,s32,k3,odd,t8,t8c32 --modes eval --no-compile --out "$OUT/eval"
 fi
 if want wall; then
   step wall

@@ -1,6 +1,9 @@
-"""Per-kernel GPU times of the fused op on the seed problem (torch.profiler), for tuning.
+"""Per-kernel GPU times of the fused op on a bench problem (torch.profiler), for tuning.
 
     python scripts/profile_seed.py [eval|train] [contiguous|channels_last_3d] [algo] [host|wall]
+        [--problem NAME]
+
+NAME is one of bench/bench_ct_bn_pool.py's CUDA problems (default: seed).
 
 With `host`, the table is the host side instead: ATen ops by self CPU time, how many
 each call issues, and the wall time of issuing one call (no synchronization). With
@@ -9,12 +12,24 @@ of this op sees: the larger of its host and GPU time), no profiler.
 """
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fused_ops
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from bench_ct_bn_pool import CUDA_PROBLEMS, STRIDES  # noqa: E402
+
+argv = sys.argv[:]
+problem = "seed"
+if "--problem" in argv:
+    at = argv.index("--problem")
+    problem = argv[at + 1]
+    del argv[at:at + 2]
+sys.argv = argv
+batch, c_in, c_out, *size, kernel = CUDA_PROBLEMS[problem]
 mode = sys.argv[1] if len(sys.argv) > 1 else "eval"
 layout = sys.argv[2] if len(sys.argv) > 2 else "contiguous"
 memory_format = {"contiguous": torch.contiguous_format,
@@ -22,8 +37,9 @@ memory_format = {"contiguous": torch.contiguous_format,
 algo = sys.argv[3] if len(sys.argv) > 3 else "auto"
 host = len(sys.argv) > 4 and sys.argv[4] == "host"
 wall = len(sys.argv) > 4 and sys.argv[4] == "wall"
-m = fused_ops.ConvTransposeBNPool3d(64, 128, 5, 2.0, algo=algo).cuda().train(mode == "train")
-xs = [torch.randn(16, 64, 16, 32, 32, device="cuda").contiguous(memory_format=memory_format)
+m = fused_ops.ConvTransposeBNPool3d(c_in, c_out, kernel, 2.0, stride=STRIDES.get(problem, 1),
+                                    algo=algo).cuda().train(mode == "train")
+xs = [torch.randn(batch, c_in, *size, device="cuda").contiguous(memory_format=memory_format)
       for _ in range(6)]
 calls = 30 if mode == "eval" else 10
 with torch.no_grad():
@@ -39,7 +55,7 @@ with torch.no_grad():
             torch.cuda.synchronize()
             walls.append((time.perf_counter() - t0) / 50 * 1e3)
         walls.sort()
-        print(f"wall: {mode} {algo}: {walls[2]:.3f} ms per call, 50 calls back to back (median of 5)")
+        print(f"wall: {problem} {mode} {algo}: {walls[2]:.3f} ms per call, 50 calls back to back (median of 5)")
         sys.exit(0)
     if host:
         issue_us = []
@@ -60,6 +76,14 @@ events = prof.key_averages()
 if host:
     ops = sum(e.count for e in events if e.key.startswith("aten::")) / calls
     print(f"host: {ops:.0f} aten ops per call (nested ones included)")
-    print(events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=50))
-else:
-    print(events.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=130))
+    rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:40]
+    print(f"{'us/call':>8} {'n/call':>6}  op (self CPU time)")
+    for e in rows:
+        print(f"{e.self_cpu_time_total / calls:8.1f} {e.count / calls:6.1f}  {e.key[:100]}")
+else:  # one line per kernel: its GPU time per call, launches per call, name
+    kernels = [e for e in events if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in kernels) / calls
+    print(f"GPU time {total:.1f} us per call, {sum(e.count for e in kernels) / calls:.0f} kernels per call")
+    print(f"{'us/call':>8} {'n/call':>6}  kernel")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]:
+        print(f"{e.self_device_time_total / calls:8.1f} {e.count / calls:6.1f}  {e.key[:110]}")

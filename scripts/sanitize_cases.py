@@ -19,6 +19,9 @@ for training in (False, True):
     for algo in ("direct", "sliced_conv"):
         run(3, 5, 19, (3, 4, 5), (2, 3, 2), training, algo)
         run(2, 6, 9, (5, 3, 4), 3, training, algo, stride=2, padding=1, output_padding=1, groups=3)
+# The direct kernel from global memory: 256 KiB of x per sample, past what it stages
+# in shared memory (the cases above are staged).
+run(1, 8, 4, (16, 16, 16), 2, True, "direct", torch.float64)
 for conv in ({}, {"groups": 2, "dilation": (2, 1, 1)}):
     run(19, 6, 38, (5, 4, 7), (3, 2, 3), True, "fft", **conv)  # two b passes, edge tiles
 run(2, 3, 5, (30, 2, 3), 2, True, "fft")  # two fd passes

@@ -110,3 +110,31 @@ def test_large_channel_mean_is_not_cancelled(device):
     x = make_input(p, torch.float32, device) + 50.0
     with torch.no_grad():
         assert relerr(fused(x), ref(x.double().cpu())) <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("problem, staged", [
+    # the bench's `odd` problem: x and the tile's weights copied to shared memory first
+    # (float64: 66 KiB, past the default 48 KiB limit)
+    (Problem(3, 5, 7, (9, 11, 13), (2, 3, 4)), True),
+    (Problem(2, 16, 20, (16, 16, 16), (3, 3, 3)), False),  # 256 KiB of x per sample
+], ids=["shared", "global"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_direct_kernel_stages_what_fits(problem, staged, dtype):
+    """csrc/cuda/ct_stats.cu reads x from shared memory where a sample's x and a tile's
+    weights fit there, from global memory elsewhere; both against float64."""
+    ref, fused = make_models(problem, dtype, "cuda", algo="direct")
+    ref.train()
+    fused.train()
+    x = make_input(problem, dtype, "cuda")
+    with torch.no_grad(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fused(x)
+        torch.cuda.synchronize()
+    kernel = "energy_direct_kernel<%s, %s>" % ("float" if dtype == torch.float32 else "double",
+                                                str(staged).lower())
+    assert any(kernel in e.name for e in prof.events())
+    with torch.no_grad():
+        assert relerr(out, ref(x.double().cpu())) <= TOLERANCE[dtype]
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= TOLERANCE[dtype]

@@ -21,7 +21,11 @@ constexpr int CT = kDirectTile;
 // Block (unit, split): sample b, one tile of CT channels of one group, and one
 // contiguous range of output positions. Partial energies of the splits share the
 // same shift (the sample mean), so they add up in the finalize step.
-template <typename scalar_t>
+// kStaged: the block first copies the sample's group of x and the tile's weights into
+// shared memory. On small problems each thread gathers only a few output positions,
+// and from global memory every tap waits a full load latency (70 us for the `odd`
+// bench problem, docs/performance.md); from shared memory the same loop takes a few us.
+template <typename scalar_t, bool kStaged>
 __global__ void __launch_bounds__(kThreads)
     energy_direct_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ packed,
                          const SampleSums sums, const ConvGeometry g, int64_t co_pad,
@@ -42,6 +46,22 @@ __global__ void __launch_bounds__(kThreads)
 
   const scalar_t* x_group = x + (b * g.in_channels + group * g.in_group_channels()) * g.in_spatial();
   const scalar_t* w_tile = packed + group * g.in_group_channels() * g.taps() * co_pad + co0;
+  int64_t w_stride = co_pad;  // between the taps of w_tile
+  if constexpr (kStaged) {
+    extern __shared__ __align__(16) unsigned char stage_bytes[];
+    scalar_t* x_stage = reinterpret_cast<scalar_t*>(stage_bytes);
+    const int64_t x_count = g.in_group_channels() * g.in_spatial();
+    scalar_t* w_stage = x_stage + x_count;
+#pragma unroll 4
+    for (int64_t i = threadIdx.x; i < x_count; i += kThreads) x_stage[i] = x_group[i];
+    const int64_t w_rows = g.in_group_channels() * g.taps();  // (ci, tap) rows of CT weights
+#pragma unroll 4
+    for (int64_t i = threadIdx.x; i < w_rows * CT; i += kThreads) w_stage[i] = w_tile[(i / CT) * co_pad + i % CT];
+    __syncthreads();
+    x_group = x_stage;
+    w_tile = w_stage;
+    w_stride = CT;
+  }
   const int64_t begin = n_out * split / splits, end = n_out * (split + 1) / splits;
   acc_t e[CT];
 #pragma unroll
@@ -50,7 +70,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t ow = o % g.out_size[2], oh = (o / g.out_size[2]) % g.out_size[1],
                   od = o / (g.out_size[2] * g.out_size[1]);
     acc_t y[CT];
-    conv_transpose_point<CT>(x_group, w_tile, g, co_pad, od, oh, ow, y);
+    conv_transpose_point<CT>(x_group, w_tile, g, w_stride, od, oh, ow, y);
 #pragma unroll
     for (int j = 0; j < CT; ++j) {
       const acc_t d = y[j] - shift[j];
@@ -70,6 +90,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+int64_t direct_stage_bytes(const ConvGeometry& g, int64_t element_size) {
+  return (g.in_spatial() + g.taps() * CT) * g.in_group_channels() * element_size;
+}
+
+// Shared memory a block may have on the current device, with the opt-in.
+int64_t stage_limit() {
+  return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+}
+
 }  // namespace
 
 at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& packed,
@@ -83,10 +112,17 @@ at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& packed,
   const int64_t splits = std::min(max_splits, std::max<int64_t>(1, (4 * sms + units - 1) / units));
   auto energy = at::empty({g.batch, g.out_channels, splits}, x.options().dtype(at::kDouble));
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(splits));
+  const bool staged = direct_stage_bytes(g, x.element_size()) <= stage_limit();
+  const size_t stage_bytes = staged ? static_cast<size_t>(direct_stage_bytes(g, x.element_size())) : 0;
+  const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "energy_direct_cuda", [&] {
-    energy_direct_kernel<scalar_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        x.data_ptr<scalar_t>(), packed.data_ptr<scalar_t>(), sums.view(g), g, co_pad,
-        energy.data_ptr<double>());
+    auto kernel = staged ? energy_direct_kernel<scalar_t, true> : energy_direct_kernel<scalar_t, false>;
+    if (stage_bytes > (48 << 10)) {  // past the default limit
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(stage_bytes)));
+    }
+    kernel<<<grid, kThreads, stage_bytes, stream>>>(x.data_ptr<scalar_t>(), packed.data_ptr<scalar_t>(),
+                                                    sums.view(g), g, co_pad, energy.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return energy;
