@@ -160,8 +160,9 @@ at::Tensor full_correlation(const at::Tensor& half, const Lags& lags) {
 
 // The spectra of sub-kernels, [bins, columns] complex128, from their taps [k'd k'h k'w,
 // columns] double: one GEMM with tap_dft, whose [bins, 2, columns] real product is
-// interleaved into complex values. ATen's rfftn of the zero-padded taps took three
-// strided copies besides its transforms (docs/performance.md, 2026-11-30 profile).
+// interleaved into complex values. ATen's rfftn of the taps zero-padded to M took 176 us
+// of kernels per seed call (three cuFFT passes and two strided copies per chunk), the
+// GEMM and the interleaving 105 us (docs/performance.md, 2026-11-30 16:05-16:39 UTC).
 at::Tensor weight_spectrum(const at::Tensor& dft, const at::Tensor& taps) {
   const at::Tensor planar = at::mm(dft.view({-1, dft.size(2)}), taps);  // [bins 2, columns]
   const int64_t bins = dft.size(0), columns = taps.size(1);

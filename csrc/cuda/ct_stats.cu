@@ -23,8 +23,8 @@ constexpr int CT = kDirectTile;
 // same shift (the sample mean), so they add up in the finalize step.
 // kStaged: the block first copies the sample's group of x and the tile's weights into
 // shared memory. On small problems each thread gathers only a few output positions,
-// and from global memory every tap waits a full load latency (70 us for the `odd`
-// bench problem, docs/performance.md); from shared memory the same loop takes a few us.
+// and from global memory every tap waits a full load latency: 69 us for the `odd`
+// bench problem, 33 us staged (docs/performance.md, 2026-11-30 16:05-16:39 UTC).
 template <typename scalar_t, bool kStaged>
 __global__ void __launch_bounds__(kThreads)
     energy_direct_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ packed,
