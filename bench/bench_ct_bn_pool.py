@@ -39,8 +39,8 @@ CUDA_PROBLEMS = {
     "s32": (8, 64, 128, 32, 32, 32, 5),
     "k3": (16, 64, 128, 16, 32, 32, 3),
     "odd": (3, 5, 7, 9, 11, 13, (2, 3, 4)),
-    "t8": (8, 16, 16, 8, 8, 8, 3),    # small enough that launches, not work, decide ...
-    "t8c32": (8, 32, 32, 8, 8, 8, 3),  # ... and the step past it (the auto rule's crossover)
+    "t8": (8, 16, 16, 8, 8, 8, 3),    # small problems between odd and s8, where launch
+    "t8c32": (8, 32, 32, 8, 8, 8, 3),  # latency rather than work decides
     "st2": (8, 32, 64, 16, 16, 16, 4),
     "up2": (8, 64, 32, 16, 16, 16, 2),  # a decoder's upsampling: kernel = stride
 }
