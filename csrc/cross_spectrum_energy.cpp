@@ -21,8 +21,9 @@ namespace {
 // and of the sub-kernels' spectra per chunk of output channels: as much as x's spectrum
 // (rows) and half of it (channels), within these bounds, so that the path's temporaries
 // shrink with the batch (below eager PyTorch's on the `b4` bench problem,
-// docs/performance.md). With half of x's spectrum for both, b4 took 1.42 ms against
-// 1.14 with 48 and 32 MiB: fewer rows per chunk leave the W stage's launches few blocks.
+// docs/performance.md). With half of x's spectrum for the rows too, b4 took 1.42 ms
+// against 1.24 (2026-11-30 16:26 and 16:38 UTC): smaller W-stage launches, likely too
+// few blocks to fill the GPU.
 constexpr int64_t kMinChunkBytes = int64_t(8) << 20;
 constexpr int64_t kMaxRowsBytes = int64_t(48) << 20;
 constexpr int64_t kMaxWeightBytes = int64_t(32) << 20;
