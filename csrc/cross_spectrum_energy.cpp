@@ -69,23 +69,21 @@ at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::Tensor
 
 // [Md Mh (Mw/2 + 1), 2, k'd k'h k'w] double: the real and imaginary parts of the real
 // DFT on the grid M = 2k' - 1 of a sub-kernel's k' taps per dim, as a matrix: a
-// sub-kernel's spectrum is then one GEMM with it (weight_spectrum). Angles are reduced
-// modulo M in integers, as in lag_phases.
+// sub-kernel's spectrum is then one GEMM with it (weight_spectrum). The product of one
+// lag_phases table per dim, conjugated (a forward DFT).
 at::Tensor tap_dft(const Lags& lags, const at::TensorOptions& opts) {
-  at::Tensor angle;  // [nd, nh, nw, kd, kh, kw]
+  at::Tensor dft;  // [nd, nh, nw, kd, kh, kw] complex128
   for (int d = 0; d < 3; ++d) {
     const int64_t taps = lags.reach[d] + 1, size = 2 * taps - 1, bins = d == 2 ? size / 2 + 1 : size;
-    const at::Tensor f = at::arange(bins, opts.dtype(at::kLong)).unsqueeze(1);
-    const at::Tensor m = at::arange(taps, opts.dtype(at::kLong)).unsqueeze(0);
     std::vector<int64_t> shape(6, 1);
     shape[d] = bins;
     shape[d + 3] = taps;
-    const at::Tensor part = at::remainder(f * m, size).to(at::kDouble).mul_(-2 * M_PI / size).view(shape);
-    angle = angle.defined() ? angle + part : part;
+    const at::Tensor part =
+        lag_phases(size, bins, 1, at::arange(taps, opts.dtype(at::kLong))).conj_physical().view(shape);
+    dft = dft.defined() ? dft * part : part;
   }
-  const int64_t bins = angle.size(0) * angle.size(1) * angle.size(2);
-  const at::Tensor flat = angle.reshape({bins, 1, -1});
-  return at::cat({at::cos(flat), at::sin(flat)}, 1);
+  const int64_t bins = dft.size(0) * dft.size(1) * dft.size(2);
+  return at::view_as_real(dft.reshape({bins, -1})).permute({0, 2, 1}).contiguous();
 }
 
 // What the path needs of the geometry alone, on the device (table_cache.h).

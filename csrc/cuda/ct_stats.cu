@@ -112,8 +112,9 @@ at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& packed,
   const int64_t splits = std::min(max_splits, std::max<int64_t>(1, (4 * sms + units - 1) / units));
   auto energy = at::empty({g.batch, g.out_channels, splits}, x.options().dtype(at::kDouble));
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(splits));
-  const bool staged = direct_stage_bytes(g, x.element_size()) <= stage_limit();
-  const size_t stage_bytes = staged ? static_cast<size_t>(direct_stage_bytes(g, x.element_size())) : 0;
+  const int64_t stage_need = direct_stage_bytes(g, x.element_size());
+  const bool staged = stage_need <= stage_limit();
+  const size_t stage_bytes = staged ? static_cast<size_t>(stage_need) : 0;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "energy_direct_cuda", [&] {
     auto kernel = staged ? energy_direct_kernel<scalar_t, true> : energy_direct_kernel<scalar_t, false>;
