@@ -41,12 +41,13 @@ at::Tensor lag_phases(int64_t size, int64_t n, int64_t step, const at::Tensor& l
   return at::polar(at::ones_like(angle), angle);
 }
 
-// [2 reach + 1] long: the lags -reach .. reach in ifftshift order, 0 .. reach then
-// -reach .. -1, so that R comes out laid out for its DFT on the grid of 2 reach + 1
-// positions (phase_energies) with no shift to apply.
-at::Tensor shifted_lags(int64_t reach, const at::TensorOptions& opts) {
+// [size, M] complex128, M = 2 reach + 1: the H and D stages' coefficients, a frequency f
+// of the grid of `size` taken to the lags m = -reach .. reach and on to the bins g of
+// their DFT on M, sum_m exp(2 pi i f step m / size) exp(-2 pi i g m / M) (§3.5).
+at::Tensor lag_spectrum_phases(int64_t size, int64_t step, int64_t reach, const at::TensorOptions& opts) {
   const int64_t count = 2 * reach + 1;
-  return at::arange(reach, reach + count, opts.dtype(at::kLong)).remainder_(count).sub_(reach);
+  const at::Tensor lags = at::arange(-reach, reach + 1, opts.dtype(at::kLong));
+  return at::matmul(lag_phases(size, size, step, lags), lag_phases(count, count, 1, lags).conj_physical().t());
 }
 
 // [size / 2 + 1] double: how many bins of a real signal's full DFT of that size each
@@ -58,6 +59,15 @@ at::Tensor mirror_count(int64_t size, const at::TensorOptions& opts) {
   count[0].fill_(1.0);
   if (size % 2 == 0) count[bins - 1].fill_(1.0);
   return count;
+}
+
+// [ρ + 1, ρ + 1] complex128: c_m exp(-2 pi i g m / M) for the bins g and lags m from 0 to
+// ρ of the grid M = 2ρ + 1, c_0 = 1/4 and c_m = 1/2 beyond: P of correlation_blocks (§3.5).
+at::Tensor block_phases(int64_t reach, const at::TensorOptions& opts) {
+  auto weight = at::full({reach + 1}, 0.5, opts.dtype(at::kDouble));
+  weight[0].fill_(0.25);
+  const at::Tensor m = at::arange(reach + 1, opts.dtype(at::kLong));
+  return lag_phases(2 * reach + 1, reach + 1, 1, m).conj_physical().mul_(weight);
 }
 
 // The W stage's coefficients: lag_phases for lags 0 .. reach, weighted by mirror_count.
@@ -88,7 +98,8 @@ at::Tensor tap_dft(const Lags& lags, const at::TensorOptions& opts) {
 
 // What the path needs of the geometry alone, on the device (table_cache.h).
 struct Tables {
-  at::Tensor coef_w, coef_h, coef_d;  // the W, H and D stages' coefficients (half_correlation)
+  at::Tensor coef_w, coef_h, coef_d;  // the W, H and D stages' coefficients (correlation_spectrum)
+  at::Tensor blocks;                  // correlation_blocks' phases, [ρw + 1, ρw + 1]
   at::Tensor mirror;                  // phase_energies' mirror counts, [ρw + 1]
   at::Tensor dft;                     // tap_dft
   at::Tensor slots;                   // tap_slots
@@ -100,9 +111,9 @@ Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::Te
   const double size = static_cast<double>(grid[0] * grid[1] * grid[2]);
   Tables t;
   t.coef_w = w_stage_coefficients(grid[2], lags, opts);
-  t.coef_h = lag_phases(grid[1], grid[1], lags.step[1], shifted_lags(lags.reach[1], opts));
-  t.coef_d =  // with R's 1 / |L|
-      lag_phases(grid[0], grid[0], lags.step[0], shifted_lags(lags.reach[0], opts)).div_(size);
+  t.coef_h = lag_spectrum_phases(grid[1], lags.step[1], lags.reach[1], opts);
+  t.coef_d = lag_spectrum_phases(grid[0], lags.step[0], lags.reach[0], opts).div_(size);  // R's 1 / |L|
+  t.blocks = block_phases(lags.reach[2], opts);
   t.mirror = mirror_count(2 * lags.reach[2] + 1, opts);
   t.dft = tap_dft(lags, opts);
   t.slots = tap_slots(g, sub, opts.dtype(at::kLong));
@@ -123,13 +134,13 @@ Tables tables_for(const Backend& backend, const ConvGeometry& g, const ConvGeome
                     [&] { return build_tables(g, sub, x.options()); });
 }
 
-// R[m_d, m_h, m_w, g, i, j] for m_d, m_h in -reach .. reach (ifftshift order,
-// shifted_lags) and m_w in 0 .. reach_w, [2ρd+1, 2ρh+1, ρw+1, G, Cig, Cig] double (a
-// view of the real part), with the DC bin left out: x's cross-correlation centred on
-// its grid mean (§3.5). The backend's W stage runs for a chunk of depth frequencies at
-// a time, its H stage on that chunk, and its D stage adds the chunk's terms to R.
-at::Tensor half_correlation(const Backend& backend, const at::Tensor& x_spec, const int64_t grid[3],
-                            const Tables& tables, int64_t groups) {
+// R^, the DFT on the grid M of x's cross-correlation R' centred on its grid mean (the DC
+// bin left out), as the backend's correlation_blocks: [Md, Mh, Mw/2 + 1, G, 2 Cig, 2 Cig]
+// double (§3.5). The backend's W stage runs for a chunk of depth frequencies at a
+// time, its H stage on that chunk, and its D stage adds the chunk's terms to Z^,
+// already at the bins g_d, g_h of M and the lags m_w >= 0.
+at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec, const int64_t grid[3],
+                                const Tables& tables, int64_t groups) {
   const int64_t cig = x_spec.size(4) / groups, entries = groups * cig * cig;
   const at::Tensor &coef_w = tables.coef_w, &coef_h = tables.coef_h, &coef_d = tables.coef_d;
   const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1);
@@ -143,58 +154,44 @@ at::Tensor half_correlation(const Backend& backend, const at::Tensor& x_spec, co
     backend.lag_stage(q.view({n, grid[1], mw * entries}), coef_h, p, false);
     backend.lag_stage(p.view({1, n, mh * mw * entries}), coef_d.narrow(0, fd0, n), r, true);
   }
-  return at::real(r).view({md, mh, mw, groups, cig, cig});
+  return backend.correlation_blocks(r.view({md, mh, mw, groups, cig, cig}), tables.blocks);
 }
 
-// All lags, [2ρd+1, 2ρh+1, 2ρw+1, G, Cig, Cig] in ifftshift order: R(m)[i, j] = R(-m)[j, i]
-// gives m_w < 0, and in that order lag -m of index k is index (2ρ + 1 - k) mod (2ρ + 1):
-// a flip, then a roll by one.
-at::Tensor full_correlation(const at::Tensor& half, const Lags& lags) {
-  const at::Tensor mirrored = half.narrow(2, 1, lags.reach[2])
-                                  .flip({0, 1, 2})
-                                  .roll({1, 1}, {0, 1})
-                                  .transpose(-1, -2);
-  return at::cat({half, mirrored}, 2);
+// The spectra of sub-kernels from their taps [k'd k'h k'w, G Cig columns] double, as
+// [bins, G, 2 Cig, columns] double (a bin's real parts over its imaginary parts, what
+// the real blocks of R^ multiply): one GEMM with tap_dft. ATen's rfftn of the taps
+// zero-padded to M took 176 us of kernels per seed call (three cuFFT passes and two
+// strided copies per chunk), the GEMM 60 us (docs/performance.md, 2026-11-30 16:05-16:39
+// UTC); for one group its product is already in that order.
+at::Tensor weight_spectrum(const at::Tensor& dft, const at::Tensor& taps, int64_t groups) {
+  const at::Tensor planar = at::mm(dft.view({-1, dft.size(2)}), taps);  // [bins, 2, G, Cig columns]
+  return planar.view({dft.size(0), 2, groups, -1}).transpose(1, 2).contiguous();
 }
 
-// The spectra of sub-kernels, [bins, columns] complex128, from their taps [k'd k'h k'w,
-// columns] double: one GEMM with tap_dft, whose [bins, 2, columns] real product is
-// interleaved into complex values. ATen's rfftn of the taps zero-padded to M took 176 us
-// of kernels per seed call (three cuFFT passes and two strided copies per chunk), the
-// GEMM and the interleaving 105 us (docs/performance.md, 2026-11-30 16:05-16:39 UTC).
-at::Tensor weight_spectrum(const at::Tensor& dft, const at::Tensor& taps) {
-  const at::Tensor planar = at::mm(dft.view({-1, dft.size(2)}), taps);  // [bins 2, columns]
-  const int64_t bins = dft.size(0), columns = taps.size(1);
-  return at::view_as_complex(planar.view({bins, 2, columns}).transpose(1, 2).contiguous());
-}
-
-// [G, Cog] double: sum over the phases r of sum_{m, m'} w_r[:, c, m]^T R(m - m') w_r[:, c, m'],
+// [G, Cog] double: sum over the phases r of sum_{m, m'} w_r[:, c, m]^T R'(m - m') w_r[:, c, m'],
 // as (1 / |M|) sum_g W_r(g)^H R^(g) W_r(g) on the grid M = 2k' - 1 per dim, where both
-// DFTs are exact (§3.5). r: R at every lag, in ifftshift order (full_correlation).
+// DFTs are exact (§3.5). blocks: R^ (correlation_spectrum), in real blocks.
 // budget: bytes of the sub-kernels' spectra per chunk of output channels.
 // stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] double, so that their DFT
 // comes out with a frequency's [Cig, P Cog] matrix contiguous.
-at::Tensor phase_energies(const Backend& backend, const at::Tensor& r, const at::Tensor& stack,
-                          const Tables& tables, int64_t budget) {
-  const int64_t small[3] = {r.size(0), r.size(1), r.size(2)};
+at::Tensor phase_energies(const Backend& backend, const at::Tensor& blocks, const at::Tensor& stack,
+                          const Tables& tables, const Lags& lags, int64_t budget) {
   const int64_t groups = stack.size(3), cig = stack.size(4), phases = stack.size(5),
                 cog = stack.size(6);
-  const at::Tensor r_hat = at::fft_rfftn(r, c10::nullopt, at::IntArrayRef{0, 1, 2});
-  const int64_t bins = r_hat.size(0) * r_hat.size(1) * r_hat.size(2);
+  const int64_t bins = blocks.size(0) * blocks.size(1) * blocks.size(2);
   const int64_t channel_bytes = bins * groups * cig * phases * 16;
   const int64_t chunk = std::clamp<int64_t>(budget / channel_bytes, 1, cog);
   auto energy = at::empty({groups, phases, cog}, stack.options());
   for (int64_t c0 = 0; c0 < cog; c0 += chunk) {
     const int64_t n = std::min(chunk, cog - c0);
-    // [Md, Mh, Mwf, G, Cig, P n]: the order that serves both the GEMM and the quadratic forms.
+    // [Md, Mh, Mwf, G, 2 Cig, P n]: the order that serves both the GEMM and the quadratic forms.
     const at::Tensor taps = stack.narrow(6, c0, n).reshape({-1, groups * cig * phases * n});
-    const at::Tensor w_hat = weight_spectrum(tables.dft, taps)
-                                 .view({r_hat.size(0), r_hat.size(1), r_hat.size(2), groups, cig, phases * n});
-    const at::Tensor quad = backend.quad_forms(w_hat, at::matmul(r_hat, w_hat), tables.mirror);
+    const at::Tensor w_hat = weight_spectrum(tables.dft, taps, groups)
+                                 .view({blocks.size(0), blocks.size(1), blocks.size(2), groups, 2 * cig, phases * n});
+    const at::Tensor quad = backend.quad_forms(w_hat, at::matmul(blocks, w_hat), tables.mirror);
     energy.narrow(2, c0, n).copy_(quad.view({groups, phases, n}));
   }
-  const double size = static_cast<double>(small[0] * small[1] * small[2]);
-  return energy.sum(1).div_(size);
+  return energy.sum(1).div_(static_cast<double>(lags.count()));
 }
 
 }  // namespace
@@ -215,9 +212,19 @@ at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64
   return q.view({count, lh, coef.size(1), groups, cig, cig});
 }
 
-// Re(conj(W) . V) as real products: no conjugated copy.
+// P + P^H, P = sum_{m_w} phases[g_w, m_w] (Z^(g) + conj(Z^(-g))) (§3.5), -g of index k at
+// index (M - k) mod M: a flip, then a roll by one.
+at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& phases) {
+  const int64_t md = z_hat.size(0), mh = z_hat.size(1), mwh = z_hat.size(2);
+  const at::Tensor u = z_hat + z_hat.flip({0, 1}).roll({1, 1}, {0, 1}).conj_physical();
+  const at::Tensor p = at::matmul(phases, u.reshape({md * mh, mwh, -1})).view(z_hat.sizes());
+  const at::Tensor r = p + p.transpose(-1, -2).conj_physical();
+  const at::Tensor re = at::real(r), im = at::imag(r);
+  return at::cat({at::cat({re, -im}, -1), at::cat({im, re}, -1)}, -2);
+}
+
 at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror) {
-  const at::Tensor quad = at::mul(at::view_as_real(w_hat), at::view_as_real(v)).sum(at::IntArrayRef{4, 6});
+  const at::Tensor quad = at::mul(w_hat, v).sum(4);
   return quad.mul_(mirror.view({1, 1, -1, 1, 1})).sum(at::IntArrayRef{0, 1, 2});
 }
 
@@ -236,11 +243,11 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
   const ConvGeometry sub = phase_geometry(g);
   const Lags lags(sub);
   const Tables tables = tables_for(backend, g, sub, x);
-  at::Tensor r;
+  at::Tensor blocks;
   int64_t weight_budget = 0;
   {  // x's spectrum is freed before the contraction
     const at::Tensor x_spec = x_spectrum(x, sub.out_size, backend.spectrum_copies);
-    r = full_correlation(half_correlation(backend, x_spec, sub.out_size, tables, g.groups), lags);
+    blocks = correlation_spectrum(backend, x_spec, sub.out_size, tables, g.groups);
     weight_budget = chunk_budget(x_spec, 2, kMaxWeightBytes);
   }
   const at::Tensor& slots = tables.slots;
@@ -248,7 +255,8 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
                                .stack(g, sub)
                                .permute({4, 5, 6, 0, 1, 3, 2})
                                .contiguous();
-  const at::Tensor energy = phase_energies(backend, r, stack, tables, weight_budget).view({g.out_channels});
+  const at::Tensor energy =
+      phase_energies(backend, blocks, stack, tables, lags, weight_budget).view({g.out_channels});
   return energy.add(phase_sum_correction(weight, sums, g, sub, slots))
       .view({1, g.out_channels, 1});
 }

@@ -84,9 +84,14 @@ struct Backend {
   // tables may be cached under (table_cache.h), or -1 while that stream is being captured
   // into a CUDA graph.
   int64_t (*table_stream)(const at::Device& device);
+  // R^ on the grid M from the D stage's output z_hat [Md, Mh, Mwh, G, Cig, Cig]
+  // complex128 and the phases [Mwh, Mwh] complex128 of its last step (§3.5), as the real
+  // blocks [[Re, -Im], [Im, Re]] of each bin's matrix: [Md, Mh, Mwh, G, 2 Cig, 2 Cig] double.
+  at::Tensor (*correlation_blocks)(const at::Tensor& z_hat, const at::Tensor& phases);
   // The contraction's quadratic forms (§3.5): [G, C] double, sum over the bins
-  // (g_d, g_h, g_w) and i of mirror[g_w] Re(conj(w_hat) v) at [g_d, g_h, g_w, G, i, c];
-  // w_hat and v [Md, Mh, Mw, G, Cig, C] complex128, mirror [Mw] double.
+  // (g_d, g_h, g_w) and rows k of mirror[g_w] w_hat v at [g_d, g_h, g_w, G, k, c];
+  // w_hat (the sub-kernels' spectra as [Re; Im]) and v [Md, Mh, Mw, G, 2 Cig, C]
+  // double, mirror [Mw] double.
   at::Tensor (*quad_forms)(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
   // The copies around x's FFT (x_spectrum.h).
   SpectrumCopies spectrum_copies;
@@ -115,7 +120,8 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
 at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);
 void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
-// Backend::quad_forms with ATen ops (the CPU's).
+// Backend::correlation_blocks and Backend::quad_forms with ATen ops (the CPU's).
+at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& phases);
 at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
 // The weight as the direct kernel reads it (see conv_transpose_point.h).
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);

@@ -171,7 +171,8 @@ const Backend kCpuBackend = {sample_sums_cpu,      energy_direct_cpu, finalize_c
                              auto_energy_algo_cpu, nullptr,           nullptr,
                              nullptr,              cross_spectrum_rows_aten,
                              lag_stage_aten,       table_stream_cpu,
-                             quad_forms_aten,      kAtenSpectrumCopies};
+                             correlation_blocks_aten, quad_forms_aten,
+                             kAtenSpectrumCopies};
 
 }  // namespace
 

@@ -89,20 +89,20 @@ __device__ __forceinline__ void load_row(const C* src, C (&dst)[R]) {
 template <typename C, int R>
 using Staged = C[2][2][kBatchChunk][kSide * R];
 
-// One block's work: row blockIdx.x, tile (ti, tj). kMirror: an off-diagonal tile, whose
+// One block's work: row `row`, tile (ti, tj). kMirror: an off-diagonal tile, whose
 // lags keep the four real sums A = sum p a, B = sum q b, C = sum p b, D = sum q a of
 // coef = p + iq and S_f = a + ib, so that Q[i, j] = (A - B, C + D) and
 // Q[j, i] = (A + B, D - C) come from one S_f.
 template <typename T, int R, int kLags, bool kMirror>
 __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename ComplexOf<T>::type, R>& xs,
-                                          int ti, int tj) {
+                                          int64_t row, int ti, int tj) {
   using C = typename ComplexOf<T>::type;
   constexpr int kTile = kSide * R;
   constexpr int kThreads = kSide * kSide;
   constexpr int kSideValues = kBatchChunk * kTile;
   constexpr int kPerThread = 2 * kSideValues / kThreads;  // values each thread stages per step
   static_assert(2 * kSideValues % kThreads == 0, "a step's values must split evenly over the threads");
-  const int64_t row = blockIdx.x;  // (fd - fd0) Lh + fh
+  // row: (fd - fd0) Lh + fh
   const int64_t fd = a.fd0 + row / a.lh, fh = row % a.lh;
   const int64_t i0 = ti * int64_t(kTile), j0 = tj * int64_t(kTile);
   const int64_t group = blockIdx.z;
@@ -222,21 +222,24 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
   }
 }
 
-// One launch for a row chunk and up to kMaxLags lags: the off-diagonal pairs first
-// (blockIdx.y < tiles (tiles - 1) / 2; the longer blocks, so the shorter diagonal ones
-// fill the last wave; as two launches the pairs' one wave of 288 blocks on 264 slots
-// ran in two), then the diagonal tiles.
+// One launch for a row chunk and up to kMaxLags lags. A row's tiles are adjacent
+// blocks, so that all but the first to read the row's values find them in L2 (with the
+// rows adjacent instead, every tile read them from DRAM: three times x's spectrum per
+// launch for the seed problem); in a row the off-diagonal pairs come first (the longer
+// blocks), then the diagonal tiles.
 template <typename T, int R, int kLags>
 __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArgs a) {
   __shared__ __align__(16) Staged<typename ComplexOf<T>::type, R> xs;
   const int pairs = static_cast<int>(a.tiles * (a.tiles - 1) / 2);
-  const int y = static_cast<int>(blockIdx.y);
+  const int64_t row_tiles = a.tiles * (a.tiles + 1) / 2;
+  const int64_t row = blockIdx.x / row_tiles;
+  const int y = static_cast<int>(blockIdx.x % row_tiles);
   if (y < pairs) {
     int pair = y, ti = 0;
     for (; pair >= a.tiles - 1 - ti; ++ti) pair -= static_cast<int>(a.tiles) - 1 - ti;
-    tile_rows<T, R, kLags, true>(a, xs, ti, ti + 1 + pair);
+    tile_rows<T, R, kLags, true>(a, xs, row, ti, ti + 1 + pair);
   } else {
-    tile_rows<T, R, kLags, false>(a, xs, y - pairs, y - pairs);
+    tile_rows<T, R, kLags, false>(a, xs, row, y - pairs, y - pairs);
   }
 }
 
@@ -275,17 +278,16 @@ at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64
   // group fits 16; float64 keeps R = 1 so its accumulators stay in registers.
   const int side = !is_double && a.cig > kSide ? 2 : 1;
   a.tiles = (a.cig + kSide * side - 1) / (kSide * side);
-  const int64_t rows = count * a.lh;
-  TORCH_CHECK(rows < (int64_t(1) << 31) && a.tiles * (a.tiles + 1) / 2 < 65536 && groups < 65536,
+  const int64_t rows = count * a.lh, row_tiles = a.tiles * (a.tiles + 1) / 2;
+  TORCH_CHECK(rows * row_tiles < (int64_t(1) << 31) && groups < 65536,
               "ct_bn_pool: problem too large for the cross-spectrum path (", to_str(rows),
-              " rows, ", to_str(a.tiles * (a.tiles + 1) / 2), " tiles, ", to_str(groups), " groups)");
+              " rows, ", to_str(row_tiles), " tiles, ", to_str(groups), " groups)");
   const at::Tensor c = coef.to(is_double ? at::kComplexDouble : at::kComplexFloat).contiguous();
   auto q = at::empty({count, a.lh, a.lags_total, groups, a.cig, a.cig}, x_spec.options());
   a.x = x_spec.data_ptr();
   a.coef = c.data_ptr();
   a.q = q.data_ptr();
-  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(a.tiles * (a.tiles + 1) / 2),
-                  static_cast<unsigned>(groups));
+  const dim3 grid(static_cast<unsigned>(rows * row_tiles), 1, static_cast<unsigned>(groups));
   for (a.lag0 = 0; a.lag0 < a.lags_total; a.lag0 += kMaxLags) {
     a.lags = std::min<int64_t>(kMaxLags, a.lags_total - a.lag0);
     if (is_double) {

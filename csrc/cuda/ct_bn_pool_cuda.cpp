@@ -140,7 +140,8 @@ const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, f
                               auto_energy_algo_cuda,       energy_fft_cuda,    fft_applies_cuda,
                               eval_sample_sums_cuda,       cross_spectrum_rows_cuda,
                               lag_stage_cuda,              table_stream_cuda,
-                              quad_forms_cuda,             kCudaSpectrumCopies};
+                              correlation_blocks_cuda,     quad_forms_cuda,
+                              kCudaSpectrumCopies};
 
 }  // namespace
 

@@ -1,11 +1,13 @@
 // The cross-spectrum path's contraction (docs/math.md §3.5): for each column c of a
-// group (an output channel of a phase), sum over the kept bins g and input channels i
-// of mirror(g) Re(conj(W[g, i, c]) V[g, i, c]), V = R^ W. As ATen ops this was a
-// product into a temporary as large as W, two reductions and a scaling per chunk of
-// columns (0.09 ms per seed call, docs/performance.md); here it is one read of W and
-// V. A block owns 32 adjacent columns (coalesced 16-byte loads) and a slice of the
-// (g, i) rows; the slices' sums are added by the caller in a fixed order, so the
-// result does not depend on scheduling.
+// group (an output channel of a phase), sum over the kept bins g and the rows k of the
+// real and imaginary parts of W, [Re W; Im W], of mirror(g) W[g, k, c] V[g, k, c],
+// V = R^ W in the same real form: Re(W^H R^ W). As ATen ops this was a product into a
+// temporary as large as W, two reductions and a scaling per chunk of columns (0.09 ms
+// per seed call, docs/performance.md); here it is one read of W and V. A block owns 32
+// adjacent columns (coalesced loads) and a slice of the bins; the slices' sums are added
+// by the caller in a fixed order, so the result does not depend on scheduling. The loop
+// over (g, k) rows as one index took 56 us per seed call against 34 for half as many
+// complex rows (docs/performance.md): a 64-bit division per row.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -23,11 +25,11 @@ constexpr int kRowLanes = 8;  // warps per block, each striding over the block's
 constexpr int kThreads = kCols * kRowLanes;
 
 struct QuadArgs {
-  const double2* w;      // [bins, G, Cig, cols]
-  const double2* v;      // same
+  const double* w;       // [bins, G, 2 Cig, cols]
+  const double* v;       // same
   const double* mirror;  // [mw]: weight of a bin by its last frequency index
   double* partial;       // [slices, G, cols]
-  int64_t bins, mw, groups, cig, cols, rows_per_slice;
+  int64_t bins, mw, groups, rows, cols, bins_per_slice;  // rows: 2 Cig
 };
 
 __global__ void __launch_bounds__(kThreads) quad_form_kernel(QuadArgs a) {
@@ -35,17 +37,18 @@ __global__ void __launch_bounds__(kThreads) quad_form_kernel(QuadArgs a) {
   const int lane = static_cast<int>(threadIdx.x % kCols), warp = static_cast<int>(threadIdx.x / kCols);
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kCols + lane;
   const int64_t group = blockIdx.z;
-  const int64_t rows = a.bins * a.cig;  // (g, i) of the group
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * a.rows_per_slice;
-  const int64_t r1 = min(rows, r0 + a.rows_per_slice);
+  const int64_t b0 = static_cast<int64_t>(blockIdx.y) * a.bins_per_slice;
+  const int64_t b1 = min(a.bins, b0 + a.bins_per_slice);
   double acc = 0;
   if (col < a.cols) {
+    for (int64_t bin = b0; bin < b1; ++bin) {
+      const int64_t at = (bin * a.groups + group) * a.rows * a.cols + col;
+      const double* __restrict__ w = a.w + at;
+      const double* __restrict__ v = a.v + at;
+      double sum = 0;
 #pragma unroll 4
-    for (int64_t r = r0 + warp; r < r1; r += kRowLanes) {
-      const int64_t bin = r / a.cig, i = r % a.cig;
-      const int64_t at = ((bin * a.groups + group) * a.cig + i) * a.cols + col;
-      const double2 w = a.w[at], v = a.v[at];
-      acc = fma(a.mirror[bin % a.mw], fma(w.x, v.x, w.y * v.y), acc);
+      for (int64_t k = warp; k < a.rows; k += kRowLanes) sum = fma(w[k * a.cols], v[k * a.cols], sum);
+      acc = fma(a.mirror[bin % a.mw], sum, acc);
     }
   }
   sums[warp][lane] = acc;
@@ -62,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) quad_form_kernel(QuadArgs a) {
 at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror) {
   const c10::cuda::CUDAGuard guard(w_hat.device());
   TORCH_CHECK(w_hat.dim() == 6 && v.sizes() == w_hat.sizes() &&
-                  w_hat.scalar_type() == at::kComplexDouble && v.scalar_type() == at::kComplexDouble &&
+                  w_hat.scalar_type() == at::kDouble && v.scalar_type() == at::kDouble &&
                   mirror.scalar_type() == at::kDouble && mirror.dim() == 1 &&
                   mirror.size(0) == w_hat.size(2),
               "ct_bn_pool: quad_forms_cuda: inconsistent shapes or dtypes");
@@ -71,21 +74,21 @@ at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const a
   a.bins = w.size(0) * w.size(1) * w.size(2);
   a.mw = w.size(2);
   a.groups = w.size(3);
-  a.cig = w.size(4);
+  a.rows = w.size(4);
   a.cols = w.size(5);
-  const int64_t rows = a.bins * a.cig;
   const int64_t col_tiles = (a.cols + kCols - 1) / kCols;
-  // Enough slices for about four blocks per SM, each with at least a few rows per warp.
+  // Enough slices of bins for about four blocks per SM.
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t wanted = (4 * sms + col_tiles * a.groups - 1) / (col_tiles * a.groups);
-  const int64_t slices = std::clamp<int64_t>(wanted, 1, std::max<int64_t>(1, rows / (4 * kRowLanes)));
-  a.rows_per_slice = (rows + slices - 1) / slices;
+  const int64_t wanted =
+      std::clamp<int64_t>((4 * sms + col_tiles * a.groups - 1) / (col_tiles * a.groups), 1, a.bins);
+  a.bins_per_slice = (a.bins + wanted - 1) / wanted;
+  const int64_t slices = (a.bins + a.bins_per_slice - 1) / a.bins_per_slice;
   TORCH_CHECK(col_tiles < (int64_t(1) << 31) && slices < 65536 && a.groups < 65536,
               "ct_bn_pool: problem too large for the cross-spectrum contraction (", to_str(a.cols),
               " columns, ", to_str(a.groups), " groups)");
   auto partial = at::empty({slices, a.groups, a.cols}, w.options().dtype(at::kDouble));
-  a.w = reinterpret_cast<const double2*>(w.data_ptr());
-  a.v = reinterpret_cast<const double2*>(vc.data_ptr());
+  a.w = w.data_ptr<double>();
+  a.v = vc.data_ptr<double>();
   a.mirror = m.data_ptr<double>();
   a.partial = partial.data_ptr<double>();
   const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(slices),

@@ -1,0 +1,107 @@
+// The cross-spectrum path's last lag step (docs/math.md §3.5): R^ on the grid M from
+// the D stage's output Z^, R^(g, g_w) = P + P^H with
+// P = sum_{m_w} phases[g_w, m_w] (Z^(g, m_w) + conj(Z^(-g, m_w))),
+// written as the real blocks [[Re, -Im], [Im, Re]] that the contraction's real GEMM
+// takes. In place of the real part, the mirrored lags, ATen's rfftn of R' and the
+// copies around them (docs/performance.md). One thread per (g_d, g_h, group, i, j) and
+// chunk of g_w: it reads its entry and the transposed one at g and -g once per m_w and
+// writes the chunk's bins; staging the transposed entries through shared memory, in
+// 32 x 32 tiles, made it slower (47 and 49 us per seed call against 41, 2026-11-30).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/kernels.h"
+#include "message.h"
+
+namespace fused_ops {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kBinChunk = 8;  // g_w bins per thread
+
+struct BlocksArgs {
+  const double2* z;       // [Md, Mh, Mwh, G, Cig, Cig]
+  const double2* phases;  // [Mwh (g_w), Mwh (m_w)]
+  double* out;            // [Md, Mh, Mwh, G, 2 Cig, 2 Cig]
+  int64_t md, mh, mwh, groups, cig, chunks;
+};
+
+__device__ __forceinline__ double2 cmul(double2 a, double2 b) {
+  return double2{a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x};
+}
+
+__global__ void __launch_bounds__(kThreads) correlation_blocks_kernel(BlocksArgs a) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t entries = a.groups * a.cig * a.cig;
+  if (t >= a.md * a.mh * a.chunks * entries) return;
+  const int64_t e = t % entries, chunk = t / entries % a.chunks, gdh = t / entries / a.chunks;
+  const int64_t group = e / (a.cig * a.cig), i = e / a.cig % a.cig, j = e % a.cig;
+  const int64_t gd = gdh / a.mh, gh = gdh % a.mh;
+  const int64_t neg = ((a.md - gd) % a.md) * a.mh + (a.mh - gh) % a.mh;  // -g
+  const int64_t ij = (group * a.cig + i) * a.cig + j, ji = (group * a.cig + j) * a.cig + i;
+  auto at = [&](int64_t dh, int64_t mw, int64_t entry) { return a.z[(dh * a.mwh + mw) * entries + entry]; };
+  const int64_t gw0 = chunk * kBinChunk;
+  double2 acc[kBinChunk];
+#pragma unroll
+  for (int k = 0; k < kBinChunk; ++k) acc[k] = double2{0, 0};
+  for (int64_t mw = 0; mw < a.mwh; ++mw) {
+    // u at (i, j) and conj(u) at (j, i), u = Z^(g) + conj(Z^(-g)).
+    const double2 zij = at(gdh, mw, ij), nij = at(neg, mw, ij), zji = at(gdh, mw, ji), nji = at(neg, mw, ji);
+    const double2 u{zij.x + nij.x, zij.y - nij.y}, v{zji.x + nji.x, nji.y - zji.y};
+#pragma unroll
+    for (int k = 0; k < kBinChunk; ++k) {
+      const int64_t gw = gw0 + k;
+      if (gw >= a.mwh) break;
+      const double2 p = a.phases[gw * a.mwh + mw];
+      const double2 pu = cmul(p, u), pv = cmul(double2{p.x, -p.y}, v);
+      acc[k].x += pu.x + pv.x;
+      acc[k].y += pu.y + pv.y;
+    }
+  }
+  const int64_t side = 2 * a.cig;
+#pragma unroll
+  for (int k = 0; k < kBinChunk; ++k) {
+    const int64_t gw = gw0 + k;
+    if (gw >= a.mwh) break;
+    double* block = a.out + ((gdh * a.mwh + gw) * a.groups + group) * side * side;
+    block[i * side + j] = acc[k].x;
+    block[i * side + a.cig + j] = -acc[k].y;
+    block[(a.cig + i) * side + j] = acc[k].y;
+    block[(a.cig + i) * side + a.cig + j] = acc[k].x;
+  }
+}
+
+}  // namespace
+
+at::Tensor correlation_blocks_cuda(const at::Tensor& z_hat, const at::Tensor& phases) {
+  const c10::cuda::CUDAGuard guard(z_hat.device());
+  TORCH_CHECK(z_hat.dim() == 6 && z_hat.scalar_type() == at::kComplexDouble && z_hat.is_contiguous() &&
+                  z_hat.size(4) == z_hat.size(5) && phases.scalar_type() == at::kComplexDouble &&
+                  phases.is_contiguous() && phases.dim() == 2 && phases.size(0) == z_hat.size(2) &&
+                  phases.size(1) == z_hat.size(2),
+              "ct_bn_pool: correlation_blocks_cuda: inconsistent shapes, dtypes or layouts");
+  BlocksArgs a;
+  a.md = z_hat.size(0);
+  a.mh = z_hat.size(1);
+  a.mwh = z_hat.size(2);
+  a.groups = z_hat.size(3);
+  a.cig = z_hat.size(4);
+  a.chunks = (a.mwh + kBinChunk - 1) / kBinChunk;
+  auto out = at::empty({a.md, a.mh, a.mwh, a.groups, 2 * a.cig, 2 * a.cig},
+                       z_hat.options().dtype(at::kDouble));
+  const int64_t threads = a.md * a.mh * a.chunks * a.groups * a.cig * a.cig;
+  const int64_t blocks = (threads + kThreads - 1) / kThreads;
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "ct_bn_pool: problem too large for the correlation's blocks (",
+              to_str(threads), " entries)");
+  a.z = reinterpret_cast<const double2*>(z_hat.data_ptr());
+  a.phases = reinterpret_cast<const double2*>(phases.data_ptr());
+  a.out = out.data_ptr<double>();
+  if (threads > 0) {
+    correlation_blocks_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return out;
+}
+
+}  // namespace fused_ops
