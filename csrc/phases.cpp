@@ -18,6 +18,13 @@ ConvGeometry phase_geometry(const ConvGeometry& g) {
 
 int64_t phase_count(const ConvGeometry& g) { return g.stride[0] * g.stride[1] * g.stride[2]; }
 
+bool is_full_convolution(const ConvGeometry& g) {
+  for (int d = 0; d < 3; ++d) {
+    if (g.stride[d] != 1 || g.padding[d] != 0 || g.output_padding[d] != 0) return false;
+  }
+  return true;
+}
+
 std::vector<int64_t> occupied_phases(const ConvGeometry& g) {
   std::vector<bool> hit[3];
   for (int d = 0; d < 3; ++d) {

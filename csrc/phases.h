@@ -21,6 +21,11 @@ ConvGeometry phase_geometry(const ConvGeometry& g);
 
 int64_t phase_count(const ConvGeometry& g);
 
+// One phase whose grid is the whole output (stride 1, padding 0, no output padding):
+// §3.3 as it stands, its energy already centred on the sample's mean, nothing for
+// phase_sum_correction to add.
+bool is_full_convolution(const ConvGeometry& g);
+
 // The phases some tap lands in (k < s leaves some empty: their energy and sums
 // are 0). Known from the geometry: no device round trip.
 std::vector<int64_t> occupied_phases(const ConvGeometry& g);

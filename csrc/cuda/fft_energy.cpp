@@ -25,14 +25,6 @@ constexpr int64_t kWeightChunkBytes = int64_t(48) << 20;
 // Shared memory a block may use on the GPUs this is built for (sm_80 and later).
 constexpr int64_t kMaxSmemBytes = 160 << 10;
 
-// One phase whose grid is the whole output: §3.3 as it stands, nothing to correct.
-bool is_full_convolution(const ConvGeometry& g) {
-  for (int d = 0; d < 3; ++d) {
-    if (g.stride[d] != 1 || g.padding[d] != 0 || g.output_padding[d] != 0) return false;
-  }
-  return true;
-}
-
 // Writes energy [1, Co, Lh * Lwf] (double) for the stride-1 full convolution
 // `sub` of x with `weight` [Ci, Cog, kD, kH, kW] (contiguous float32): the
 // weight's spectrum and the multiply-and-reduce kernel, a chunk of fh at a time.
