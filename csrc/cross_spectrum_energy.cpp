@@ -1,9 +1,9 @@
 // The cross-spectrum path of the training-mode energy (docs/math.md §3.5): x's
 // channel cross-correlation R at the lags the phases' sub-kernels span, computed
-// from x's spectrum as the per-frequency matrix sum_b X^H X reduced to those lags
-// one dim at a time, then contracted with the sub-kernels on a grid of
-// 2k' - 1 positions per dim. Its cost grows with Cig^2 and x's spectrum, not
-// with the output channels or the number of lags.
+// from x's spectrum as the per-frequency matrix sum_b X^H X reduced to those lags,
+// and on to their DFT on a grid of 2k' - 1 positions per dim, one dim at a time, then
+// contracted with the sub-kernels' DFT on that grid. Its cost grows with Cig^2 and
+// x's spectrum, not with the output channels or the number of lags.
 #include <ATen/Context.h>
 
 #include <algorithm>

@@ -1,7 +1,7 @@
 // The cross-spectrum path's H and D stages (docs/math.md §3.5): one dim of
-// frequencies reduced to lags, out[a, m, c] (+)= sum_f coef[f, m] q[a, f, c], with
-// few lags (2k' - 1) and many columns c (lags of the dims already reduced times
-// channel pairs). As a GEMM its M is the lag count, too small for cuBLAS's complex
+// frequencies reduced to the DFT of its lags, out[a, m, c] (+)= sum_f coef[f, m] q[a, f, c],
+// with few outputs m (2k' - 1, called lags below) and many columns c (those of the dims
+// already reduced times channel pairs). As a GEMM its M is the lag count, too small for cuBLAS's complex
 // kernels (zgemm1x1 took 0.33 ms per seed call, docs/performance.md); it is a
 // stream over q instead: one thread per (a, c) holds its column's lags in registers
 // and reads q once per launch, coalesced along c.
