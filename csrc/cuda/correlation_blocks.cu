@@ -2,11 +2,12 @@
 // the D stage's output Z^, R^(g, g_w) = P + P^H with
 // P = sum_{m_w} phases[g_w, m_w] (Z^(g, m_w) + conj(Z^(-g, m_w))),
 // written as the real blocks [[Re, -Im], [Im, Re]] that the contraction's real GEMM
-// takes. In place of the real part, the mirrored lags, ATen's rfftn of R' and the
-// copies around them (docs/performance.md). One thread per (g_d, g_h, group, i, j) and
-// chunk of g_w: it reads its entry and the transposed one at g and -g once per m_w and
-// writes the chunk's bins; staging the transposed entries through shared memory, in
-// 32 x 32 tiles, made it slower (47 and 49 us per seed call against 41, 2026-11-30).
+// takes. It replaces R' as a tensor (its real part, its mirrored lags), ATen's rfftn
+// of it and the copies around them (docs/performance.md). One thread per (g_d, g_h,
+// group, i, j) and chunk of g_w: it reads its entry and the transposed one at g and -g
+// once per m_w and writes the chunk's bins; staging the transposed entries through
+// shared memory, in 32 x 32 tiles, made it slower (47 and 49 us per seed call against
+// 41, 2026-11-30).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
