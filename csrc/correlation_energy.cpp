@@ -117,8 +117,7 @@ at::Tensor energy_correlation(const at::Tensor& x, const at::Tensor& weight,
   const Lags lags(sub);
   const at::Tensor slots = tap_slots(g, sub, weight.options().dtype(at::kLong));
   const int64_t cig = g.in_group_channels(), cog = g.out_group_channels();
-  const at::Tensor stack = phase_taps(weight, g, sub, slots)  // [P, G, Cig, Cog, K']
-                               .stack(g, sub)
+  const at::Tensor stack = phase_stack(weight, g, sub, slots)  // [P, G, Cig, Cog, K']
                                .view({g.groups, cig, cog, phase_count(g), sub.taps()})
                                .permute({3, 0, 1, 2, 4});
   const at::Tensor squares =

@@ -194,22 +194,6 @@ at::Tensor phase_energies(const Backend& backend, const at::Tensor& blocks, cons
   return energy.sum(1).div_(static_cast<double>(lags.count()));
 }
 
-// The phases' sub-kernels in phase_energies' order, [k'd, k'h, k'w, G, Cig, P, Cog] double:
-// for one phase covering the output, the weight itself, permuted and widened in one copy
-// (gathering it through the tap slots, padded, widened and permuted: eight more launches).
-at::Tensor sub_kernel_stack(const at::Tensor& weight, const ConvGeometry& g, const ConvGeometry& sub,
-                            const at::Tensor& slots) {
-  const int64_t groups = g.groups, cig = g.in_group_channels(), cog = g.out_group_channels();
-  if (!is_full_convolution(g)) {
-    return phase_taps(weight, g, sub, slots).stack(g, sub).permute({4, 5, 6, 0, 1, 3, 2}).contiguous();
-  }
-  auto stack = at::empty({sub.kernel[0], sub.kernel[1], sub.kernel[2], groups, cig, 1, cog},
-                         weight.options().dtype(at::kDouble));
-  stack.copy_(weight.reshape({groups, cig, cog, 1, sub.kernel[0], sub.kernel[1], sub.kernel[2]})
-                  .permute({4, 5, 6, 0, 1, 3, 2}));
-  return stack;
-}
-
 }  // namespace
 
 at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64_t count,
@@ -266,7 +250,8 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
     blocks = correlation_spectrum(backend, x_spec, sub.out_size, tables, g.groups);
     weight_budget = chunk_budget(x_spec, 2, kMaxWeightBytes);
   }
-  const at::Tensor stack = sub_kernel_stack(weight, g, sub, tables.slots);
+  const at::Tensor stack =  // [k'd, k'h, k'w, G, Cig, P, Cog]
+      phase_stack(weight, g, sub, tables.slots).permute({4, 5, 6, 0, 1, 3, 2}).contiguous();
   const at::Tensor energy =
       phase_energies(backend, blocks, stack, tables, lags, weight_budget).view({1, g.out_channels, 1});
   if (is_full_convolution(g)) return energy;

@@ -62,10 +62,6 @@ at::Tensor PhaseTaps::sub_kernel(int64_t r) const {
 
 at::Tensor PhaseTaps::all() const { return taps.index_select(1, source); }
 
-at::Tensor PhaseTaps::stack(const ConvGeometry& g, const ConvGeometry& sub) const {
-  return all().to(at::kDouble).view({g.groups, g.in_group_channels(), g.out_group_channels(),
-                                     phase_count(g), sub.kernel[0], sub.kernel[1], sub.kernel[2]});
-}
 
 PhaseTaps phase_taps(const at::Tensor& weight, const ConvGeometry& g, const ConvGeometry& sub,
                      const at::Tensor& slots) {
@@ -77,6 +73,14 @@ PhaseTaps phase_taps(const at::Tensor& weight, const ConvGeometry& g, const Conv
   p.taps = at::constant_pad_nd(weight.reshape({g.in_channels * g.out_group_channels(), g.taps()}),
                                {0, 1});
   return p;
+}
+
+at::Tensor phase_stack(const at::Tensor& weight, const ConvGeometry& g, const ConvGeometry& sub,
+                       const at::Tensor& slots) {
+  const std::vector<int64_t> shape = {g.groups, g.in_group_channels(), g.out_group_channels(),
+                                      phase_count(g), sub.kernel[0], sub.kernel[1], sub.kernel[2]};
+  const at::Tensor taps = is_full_convolution(g) ? weight : phase_taps(weight, g, sub, slots).all();
+  return taps.to(at::kDouble).reshape(shape);
 }
 
 at::Tensor phase_sample_sums(const at::Tensor& weight, const SampleSumTensors& sums,

@@ -45,11 +45,14 @@ struct PhaseTaps {
   at::Tensor sub_kernel(int64_t r) const;
   // Every phase's, [Ci * Cog, P * positions].
   at::Tensor all() const;
-  // Every phase's in float64, [G, Cig, Cog, P, k'd, k'h, k'w].
-  at::Tensor stack(const ConvGeometry& g, const ConvGeometry& sub) const;
 };
 PhaseTaps phase_taps(const at::Tensor& weight, const ConvGeometry& g, const ConvGeometry& sub,
                      const at::Tensor& slots);
+
+// Every phase's sub-kernel in float64, [G, Cig, Cog, P, k'd, k'h, k'w]: for one phase
+// covering the output (is_full_convolution) the weight itself, without the gather.
+at::Tensor phase_stack(const at::Tensor& weight, const ConvGeometry& g, const ConvGeometry& sub,
+                       const at::Tensor& slots);
 
 // [B, Co, P] double: S[b, c, r], the sum of phase r of sample b's output channel
 // c (bias excluded): x's sums (padding 0, docs/math.md §2.1) contracted with the

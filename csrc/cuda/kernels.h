@@ -50,7 +50,7 @@ at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64
                                     const at::Tensor& coef, int64_t groups);
 // Backend::lag_stage: lag_stage.cu, one thread per column.
 void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
-// Backend::correlation_blocks: correlation_blocks.cu, one thread per entry and bins.
+// Backend::correlation_blocks: correlation_blocks.cu, one thread per entry and chunk of bins.
 at::Tensor correlation_blocks_cuda(const at::Tensor& z_hat, const at::Tensor& phases);
 // Backend::quad_forms: quad_form.cu, one read of w_hat and v.
 at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
