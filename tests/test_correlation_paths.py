@@ -25,6 +25,10 @@ PROBLEMS = FFT_PROBLEMS + STRIDED_FFT_PROBLEMS + [
     Problem(2, 40, 24, (3, 4, 5), (2, 2, 10)),
     Problem(2, 72, 6, (3, 4, 5), (3, 3, 3)),
     Problem(1, 64, 8, (40, 20, 20), (3, 3, 3)),
+    # cross_spectrum.cu's staging: 19 samples (a second chunk of 3) and 33 channels (a
+    # second 32-wide tile of one); groups of 20 channels and 10 samples, with strides.
+    Problem(19, 33, 5, (3, 4, 5), (3, 2, 3), scale=-1.5),
+    Problem(10, 40, 6, (4, 3, 5), (2, 3, 3), conv_kwargs=dict(stride=(1, 2, 1), groups=2)),
     # lag_stage.cu: 13 D lags and 11 H lags (two launches of up to 9 each).
     Problem(2, 5, 6, (3, 4, 5), (7, 6, 2)),
 ] + random_problems(6, seed=11, conv_kwargs=dict(stride=(1, 2, 2), dilation=(2, 1, 1)))
