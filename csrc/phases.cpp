@@ -62,7 +62,6 @@ at::Tensor PhaseTaps::sub_kernel(int64_t r) const {
 
 at::Tensor PhaseTaps::all() const { return taps.index_select(1, source); }
 
-
 PhaseTaps phase_taps(const at::Tensor& weight, const ConvGeometry& g, const ConvGeometry& sub,
                      const at::Tensor& slots) {
   PhaseTaps p;
