@@ -94,7 +94,7 @@ struct Backend {
   // double, mirror [Mw] double.
   at::Tensor (*quad_forms)(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
   // The copies around x's FFT (x_spectrum.h).
-  SpectrumCopies spectrum_copies;
+  SpectrumKernels spectrum_kernels;
 };
 
 // Device-independent pieces, written with ATen ops.

@@ -18,11 +18,12 @@ void scatter_aten(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0
   spectrum.narrow(3, b0, part.size(0)).copy_(part.permute({2, 3, 4, 0, 1}));
 }
 
-at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const SpectrumCopies& copies) {
+at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const SpectrumKernels& kernels) {
   const int64_t batch = x.size(0), channels = x.size(1), lwf = grid[2] / 2 + 1;
   const at::ScalarType complex = x.scalar_type() == at::kDouble ? at::kComplexDouble
                                                                 : at::kComplexFloat;
   auto spectrum = at::empty({grid[0], grid[1], lwf, batch, channels}, x.options().dtype(complex));
+  if (kernels.dft && kernels.dft(x, grid, spectrum)) return spectrum;
   const int64_t sample_bytes = grid[0] * grid[1] * lwf * channels * spectrum.element_size();
   const int64_t slice = std::min(batch, std::max<int64_t>(1, kFftSliceBytes / sample_bytes));
   // The zero padding is written once: each slice of samples overwrites only the region
@@ -31,8 +32,8 @@ at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const Spectrum
   for (int64_t b0 = 0; b0 < batch; b0 += slice) {
     const int64_t n = std::min(slice, batch - b0);
     const at::Tensor in = padded.narrow(0, 0, n);
-    copies.pad(x.narrow(0, b0, n), in);
-    copies.scatter(at::fft_rfftn(in, c10::nullopt, {2, 3, 4}), spectrum, b0);
+    kernels.pad(x.narrow(0, b0, n), in);
+    kernels.scatter(at::fft_rfftn(in, c10::nullopt, {2, 3, 4}), spectrum, b0);
   }
   return spectrum;
 }

@@ -7,21 +7,26 @@
 
 namespace fused_ops {
 
-// The two copies around the FFT, which a device may do faster than ATen's strided copies
-// (CUDA: x_spectrum_copies.cu). pad: padded[:, :, :D, :H, :W] = x, padded [n, Ci, Ld, Lh,
-// Lw] contiguous. scatter: spectrum[f, b0 + k, c] = part[k, c, f] for part [n, Ci, Ld, Lh,
-// Lwf] and spectrum [Ld, Lh, Lwf, B, Ci] contiguous, f = (fd, fh, fw).
-struct SpectrumCopies {
+// What a device does faster than ATen around (or instead of) x's FFT. dft: the whole
+// spectrum without the FFT, where it takes the problem (CUDA: x_spectrum_dft.cu, DFT
+// matrices in shared memory, for float32 and float64 x): returns false, having written
+// nothing, where it does not; nullptr: never. Otherwise the FFT, with these copies around it
+// (CUDA: x_spectrum_copies.cu, ATen's copies for other layouts). pad: padded[:, :, :D,
+// :H, :W] = x, padded [n, Ci, Ld, Lh, Lw] contiguous. scatter: spectrum[f, b0 + k, c] =
+// part[k, c, f] for part [n, Ci, Ld, Lh, Lwf] and spectrum [Ld, Lh, Lwf, B, Ci]
+// contiguous, f = (fd, fh, fw).
+struct SpectrumKernels {
+  bool (*dft)(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum);
   void (*pad)(const at::Tensor& x, const at::Tensor& padded);
   void (*scatter)(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0);
 };
 void pad_aten(const at::Tensor& x, const at::Tensor& padded);
 void scatter_aten(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0);
-constexpr SpectrumCopies kAtenSpectrumCopies = {pad_aten, scatter_aten};
+constexpr SpectrumKernels kAtenSpectrumKernels = {nullptr, pad_aten, scatter_aten};
 
 // [Ld, Lh, Lw / 2 + 1, B, Ci]: rfftn of x [B, Ci, D, H, W] (any layout) at size
 // grid = (Ld, Lh, Lw) >= (D, H, W), complex64 for float32 x, complex128 for
 // float64. Computed over slices of the batch so the FFT's temporaries stay small.
-at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const SpectrumCopies& copies);
+at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const SpectrumKernels& kernels);
 
 }  // namespace fused_ops

@@ -31,6 +31,10 @@ PROBLEMS = FFT_PROBLEMS + STRIDED_FFT_PROBLEMS + [
     Problem(10, 40, 6, (4, 3, 5), (2, 3, 3), conv_kwargs=dict(stride=(1, 2, 1), groups=2)),
     # lag_stage.cu: 13 D lags and 11 H lags (two launches of up to 9 each).
     Problem(2, 5, 6, (3, 4, 5), (7, 6, 2)),
+    # x_spectrum_dft.cu: odd D and H on even grids (radix 2 with a missing last odd input),
+    # rows of x not whole 16-byte pieces (W = 6), and blocks of 8 channels whose second
+    # group has one (20 x 7 x 2 blocks fill two per SM on an H200).
+    Problem(20, 9, 6, (7, 7, 6), (2, 2, 3)),
 ] + random_problems(6, seed=11, conv_kwargs=dict(stride=(1, 2, 2), dilation=(2, 1, 1)))
 TOL = {torch.float32: 1e-6, torch.float64: 1e-10}
 ALGOS = ["correlation", "cross_spectrum"]

@@ -128,6 +128,15 @@ EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   return cross_spectrum_beats_fft(g) ? EnergyAlgo::CrossSpectrum : EnergyAlgo::Fft;
 }
 
+const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, finalize_any_cuda,
+                              auto_energy_algo_cuda,       energy_fft_cuda,    fft_applies_cuda,
+                              eval_sample_sums_cuda,       cross_spectrum_rows_cuda,
+                              lag_stage_cuda,              table_stream_cuda,
+                              correlation_blocks_cuda,     quad_forms_cuda,
+                              kCudaSpectrumKernels};
+
+}  // namespace
+
 // cudaStreamIsCapturing is one of the calls capture allows.
 int64_t table_stream_cuda(const at::Device& device) {
   const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream(device.index());
@@ -135,15 +144,6 @@ int64_t table_stream_cuda(const at::Device& device) {
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &status));
   return status == cudaStreamCaptureStatusNone ? stream.id() : -1;
 }
-
-const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, finalize_any_cuda,
-                              auto_energy_algo_cuda,       energy_fft_cuda,    fft_applies_cuda,
-                              eval_sample_sums_cuda,       cross_spectrum_rows_cuda,
-                              lag_stage_cuda,              table_stream_cuda,
-                              correlation_blocks_cuda,     quad_forms_cuda,
-                              kCudaSpectrumCopies};
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
   m.impl("ct_bn_pool", &ct_bn_pool_kernel<kCudaBackend>);

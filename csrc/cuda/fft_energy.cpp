@@ -1,5 +1,5 @@
 // The FFT path of the training-mode energy (docs/math.md §3.3): the spectrum of
-// x once (cuFFT through ATen, over slices of the batch so its temporaries stay
+// x once (x_spectrum.h: DFT kernels, over slices of the batch so their temporaries stay
 // small), then, for chunks of fh, the weight's spectrum and the fused
 // multiply-and-reduce kernel. A strided transposed convolution (or one with
 // output padding) is split into phases, stride-1 convolutions of x with
@@ -78,7 +78,7 @@ at::Tensor energy_fft_cuda(const at::Tensor& x, const at::Tensor& weight,
   SpectrumGeometry s;
   for (int d = 0; d < 3; ++d) s.L[d] = sub.out_size[d];
   s.Lwf = s.L[2] / 2 + 1;
-  const at::Tensor x_spec = x_spectrum(x, s.L, kCudaSpectrumCopies);
+  const at::Tensor x_spec = x_spectrum(x, s.L, kCudaSpectrumKernels);
   if (!is_full_convolution(g)) return polyphase_energy(x_spec, weight, sums, g, sub, s);
   auto energy = at::empty({1, g.out_channels, s.pairs()}, x.options().dtype(at::kDouble));
   grid_energy(x_spec, weight, sub, s, energy);

@@ -1,6 +1,6 @@
 #pragma once
 // The FFT/Parseval training-mode energy (docs/math.md §3.3), CUDA only: the
-// spectra of x (cuFFT through ATen) and of the weight (weight_spectrum.cu), and
+// spectra of x (x_spectrum.h) and of the weight (weight_spectrum.cu), and
 // the kernel that multiplies them per frequency and reduces |Y_f|^2 without
 // storing either product (spectral_energy.cu).
 #include <ATen/ATen.h>

@@ -54,9 +54,13 @@ void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out
 at::Tensor correlation_blocks_cuda(const at::Tensor& z_hat, const at::Tensor& phases);
 // Backend::quad_forms: quad_form.cu, one read of w_hat and v.
 at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
-// SpectrumCopies (x_spectrum.h): x_spectrum_copies.cu, ATen's copies for other layouts.
+// SpectrumKernels (x_spectrum.h): x_spectrum_dft.cu, and x_spectrum_copies.cu around cuFFT
+// where it does not apply (ATen's copies for other layouts).
+bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum);
 void pad_cuda(const at::Tensor& x, const at::Tensor& padded);
 void scatter_cuda(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0);
-constexpr SpectrumCopies kCudaSpectrumCopies = {pad_cuda, scatter_cuda};
+constexpr SpectrumKernels kCudaSpectrumKernels = {x_spectrum_dft_cuda, pad_cuda, scatter_cuda};
+// Backend::table_stream on CUDA (ct_bn_pool_cuda.cpp).
+int64_t table_stream_cuda(const at::Device& device);
 
 }  // namespace fused_ops

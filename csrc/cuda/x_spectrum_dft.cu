@@ -1,0 +1,593 @@
+// x's spectrum (x_spectrum.h) by DFT matrices in shared memory instead of cuFFT
+// (docs/math.md §3.3, "x's spectrum"). cuFFT needs x zero-padded to the grid and
+// writes [B, Ci, F]: a pad copy, three passes and a scatter into [F, B, Ci], 306 us per
+// seed call (docs/performance.md). Here the padding is never stored (a DFT over the
+// first D, H, W inputs of a padded axis is the same sum) and the transposes fall out
+// of the launches' layouts. Two launches per slice of the batch:
+//   plane_dft:  one block per (b, d, 8 channels): the (h, w) plane's real DFT over W,
+//               then over H, written as t [n, D, Lh, Lwf, Ci];
+//   depth_dft:  one thread per (b, fh, fw, ci): the DFT over D, written into the
+//               spectrum's [Ld, Lh, Lwf, B, Ci].
+// t is a slice of the batch small enough to stay in L2 between the two. Where an axis's
+// grid is even, its complex DFT is split once into even and odd inputs (radix 2):
+// half the multiply-adds, then one butterfly per output pair.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cuda/kernels.h"
+#include "message.h"
+#include "table_cache.h"
+
+namespace fused_ops {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxPlanes = 8;  // channels per plane_dft block: 64 bytes of t per frequency
+constexpr int kRowTile = 2;    // W stage: rows x bins per thread
+constexpr int kBinTile = 4;
+constexpr int kFreqTile = 3;   // H stage: frequencies x bins per thread
+// Bytes of t per launch pair: the slice of the batch whose t stays in L2.
+constexpr int64_t kSliceBytes = int64_t(24) << 20;
+
+template <typename T>
+struct Complex;
+template <>
+struct Complex<float> {
+  using type = float2;
+};
+template <>
+struct Complex<double> {
+  using type = double2;
+};
+
+// Loads in flight per thread where a kernel reads x, t or its tables: a block that loaded
+// its values one round trip at a time spent most of its time waiting (281 us of plane_dft
+// per seed call, against about 50 us of multiply-adds; 159 us with these rounds).
+constexpr int kLoads = 8;
+
+// dst[i] = src[i] for i < n, by the block, kLoads loads per thread issued before
+// their stores.
+template <typename V>
+__device__ __forceinline__ void copy_to_shared(V* dst, const V* __restrict__ src, int n) {
+  for (int i0 = threadIdx.x; i0 < n; i0 += kThreads * kLoads) {
+    V v[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      if (i0 + u * kThreads < n) v[u] = src[i0 + u * kThreads];
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      if (i0 + u * kThreads < n) dst[i0 + u * kThreads] = v[u];
+    }
+  }
+}
+
+// The block's planes of x, `planes` runs of H W values `stride` apart, into rows of
+// `pitch` values in shared memory, V (16 bytes, or one value) per load: a thread takes
+// the same piece of every plane, kLoads planes per round of loads.
+template <typename T, typename V>
+__device__ __forceinline__ void load_planes(T* rows, const T* __restrict__ x, int64_t stride, int planes, int h,
+                                            int w, int pitch) {
+  constexpr int kPer = sizeof(V) / sizeof(T);
+  const int per_plane = h * w / kPer;
+  for (int q = threadIdx.x; q < per_plane; q += kThreads) {
+    const int e = q * kPer;
+    T* dst = rows + (e / w) * pitch + e % w;
+    for (int p0 = 0; p0 < planes; p0 += kLoads) {
+      V v[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        if (p0 + u < planes) v[u] = reinterpret_cast<const V*>(x + (p0 + u) * stride)[q];
+      }
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        if (p0 + u >= planes) break;
+        const T* values = reinterpret_cast<const T*>(&v[u]);
+#pragma unroll
+        for (int k = 0; k < kPer; ++k) dst[(p0 + u) * h * pitch + k] = values[k];
+      }
+    }
+  }
+}
+
+template <typename T>
+struct Vec16;
+template <>
+struct Vec16<float> {
+  using type = float4;
+};
+template <>
+struct Vec16<double> {
+  using type = double2;
+};
+
+// kBinTile adjacent table entries, 16 bytes per load.
+__device__ __forceinline__ void load_bins(const float2* src, float2 (&dst)[kBinTile]) {
+#pragma unroll
+  for (int j = 0; j < kBinTile; j += 2) {
+    const float4 v = *reinterpret_cast<const float4*>(src + j);
+    dst[j] = float2{v.x, v.y};
+    dst[j + 1] = float2{v.z, v.w};
+  }
+}
+__device__ __forceinline__ void load_bins(const double2* src, double2 (&dst)[kBinTile]) {
+#pragma unroll
+  for (int j = 0; j < kBinTile; ++j) dst[j] = src[j];
+}
+
+template <typename C>
+__device__ __forceinline__ void mul_add(C& acc, const C& f, const C& v) {
+  acc.x = fma(f.x, v.x, acc.x);
+  acc.x = fma(-f.y, v.y, acc.x);
+  acc.y = fma(f.x, v.y, acc.y);
+  acc.y = fma(f.y, v.x, acc.y);
+}
+template <typename C>
+__device__ __forceinline__ C mul(const C& a, const C& b) {
+  return C{a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x};
+}
+
+// One axis's DFT matrix as the kernels read it. Radix 2 (even grid L): rows j < L / 2,
+// columns a < ceil(n / 2), entry exp(-2 pi i 2aj / L), and the twiddles exp(-2 pi i j / L);
+// an output pair is (E + w O, E - w O) at (j, j + L / 2), E and O the sums over the even
+// and odd inputs. Direct: rows k < L, columns the n inputs, entry exp(-2 pi i kn / L).
+struct AxisDft {
+  int64_t grid = 0, inputs = 0;
+  bool radix2 = false;
+  int64_t rows() const { return radix2 ? grid / 2 : grid; }
+  int64_t columns() const { return radix2 ? (inputs + 1) / 2 : inputs; }
+};
+
+AxisDft axis_dft(int64_t grid, int64_t inputs) { return AxisDft{grid, inputs, grid % 2 == 0}; }
+
+// [rows, cols] complex128: exp(-2 pi i ((r * step * c) mod size) / size), the angle
+// reduced in integers first so that it is exact for any r c.
+at::Tensor dft_matrix(int64_t size, int64_t rows, int64_t step, int64_t cols, const at::TensorOptions& opts) {
+  const at::Tensor r = at::arange(rows, opts.dtype(at::kLong)).unsqueeze(1);
+  const at::Tensor c = at::arange(cols, opts.dtype(at::kLong)).unsqueeze(0);
+  const at::Tensor angle = at::remainder(r * c * step, size).to(at::kDouble).mul_(-2 * M_PI / double(size));
+  return at::polar(at::ones_like(angle), angle);
+}
+
+// The matrix of `axis` [rows, cols] with its twiddles appended, flat.
+at::Tensor axis_table(const AxisDft& axis, const at::TensorOptions& opts) {
+  std::vector<at::Tensor> parts = {dft_matrix(axis.grid, axis.rows(), axis.radix2 ? 2 : 1, axis.columns(), opts).reshape(-1)};
+  if (axis.radix2) parts.push_back(dft_matrix(axis.grid, axis.rows(), 1, 2, opts).select(1, 1));
+  return at::cat(parts);
+}
+
+// Sizes of one problem's transforms and where their tables sit in one flat tensor
+// of x's complex dtype: W [w, fw] (bins padded to whole tiles), H [rows, cols] then its
+// twiddles, D [cols, rows] (rows padded to whole passes of depth_dft) then its twiddles.
+struct Plan {
+  int64_t d, h, w, ld, lh, lw, lwf, lwf_pad;
+  AxisDft axis_h, axis_d;
+  int64_t h_rows_pad;  // H's input rows in shared memory: even for radix 2
+  int64_t depth_tile;  // depth_dft's accumulator rows per pass (its template)
+  int64_t depth_rows_pad;
+  int64_t h_off, d_off;  // in complex entries; W's table is first
+  int64_t h_table() const { return axis_h.rows() * axis_h.columns() + (axis_h.radix2 ? axis_h.rows() : 0); }
+  int64_t d_table() const { return axis_d.columns() * depth_rows_pad + (axis_d.radix2 ? depth_rows_pad : 0); }
+};
+
+constexpr int kDepthTiles[] = {4, 8, 10, 12, 16};
+
+Plan make_plan(const at::Tensor& x, const int64_t grid[3]) {
+  Plan p;
+  p.d = x.size(2), p.h = x.size(3), p.w = x.size(4);
+  p.ld = grid[0], p.lh = grid[1], p.lw = grid[2], p.lwf = grid[2] / 2 + 1;
+  p.lwf_pad = (p.lwf + kBinTile - 1) / kBinTile * kBinTile;
+  p.axis_h = axis_dft(p.lh, p.h);
+  p.axis_d = axis_dft(p.ld, p.d);
+  p.h_rows_pad = p.axis_h.radix2 ? p.h + p.h % 2 : p.h;
+  const int64_t rows = p.axis_d.rows();
+  p.depth_tile = kDepthTiles[4];
+  for (const int tile : kDepthTiles) {
+    if (tile >= rows) {
+      p.depth_tile = tile;
+      break;
+    }
+  }
+  p.depth_rows_pad = (rows + p.depth_tile - 1) / p.depth_tile * p.depth_tile;
+  p.h_off = p.w * p.lwf_pad;
+  p.d_off = p.h_off + p.h_table();
+  return p;
+}
+
+at::Tensor build_tables(const Plan& p, const at::TensorOptions& opts, at::ScalarType complex) {
+  const at::Tensor w_table =
+      at::constant_pad_nd(dft_matrix(p.lw, p.w, 1, p.lwf, opts), {0, p.lwf_pad - p.lwf}).reshape(-1);
+  const at::Tensor h_table = axis_table(p.axis_h, opts);
+  const int64_t pad = p.depth_rows_pad - p.axis_d.rows();
+  std::vector<at::Tensor> parts = {w_table, h_table,
+                                   at::constant_pad_nd(dft_matrix(p.ld, p.axis_d.rows(), p.axis_d.radix2 ? 2 : 1,
+                                                                  p.axis_d.columns(), opts)
+                                                           .t(),
+                                                       {0, pad})
+                                       .reshape(-1)};
+  if (p.axis_d.radix2) parts.push_back(at::constant_pad_nd(dft_matrix(p.ld, p.axis_d.rows(), 1, 2, opts).select(1, 1), {0, pad}));
+  const at::Tensor tables = at::cat(parts).to(complex);
+  TORCH_INTERNAL_ASSERT(tables.numel() == p.d_off + p.d_table());
+  return tables;
+}
+
+struct PlaneArgs {
+  const void* x;     // the slice's x, [n, Ci, D, H, W]
+  void* t;           // [n, D, Lh, Lwf, Ci]
+  const void* table; // Plan::tables
+  int64_t ci, planes_per_block;
+  int d, h, w, lh, lwf, lwf_pad, h_rows_pad, h_rows, h_cols, slice_stride;
+  bool radix2;
+  bool vector_loads;  // rows of x are whole 16-byte pieces, 16-byte aligned
+};
+
+// Shared memory of plane_dft, in units of C (x's rows are T, at the end).
+struct PlaneSmem {
+  int64_t tables, planes, x_rows;
+  int64_t bytes(int64_t complex_size) const {
+    return (tables + planes) * complex_size + x_rows * (complex_size / 2);
+  }
+};
+
+// The plane spectrum's rows are `slice_stride` apart, with slice_stride = 2 (mod 16)
+// entries of 8 bytes: the H stage's threads (channel fastest, then bin) then read
+// distinct banks.
+int64_t plane_slice_stride(int64_t rows, int64_t lwf) {
+  const int64_t n = rows * lwf;
+  return n + ((2 - n % 16) + 16) % 16;
+}
+
+PlaneSmem plane_smem(const Plan& p, int64_t planes) {
+  PlaneSmem s;
+  s.tables = p.h_off + p.h_table();
+  s.planes = planes * plane_slice_stride(p.h_rows_pad, p.lwf);
+  s.x_rows = planes * p.h * (p.w + 1);
+  return s;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
+  using C = typename Complex<T>::type;
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  const int64_t groups = (a.ci + a.planes_per_block - 1) / a.planes_per_block;
+  const int64_t unit = blockIdx.x;
+  const int64_t group = unit % groups, d = (unit / groups) % a.d, b = unit / (groups * a.d);
+  const int64_t ci0 = group * a.planes_per_block;
+  const int planes = static_cast<int>(a.ci - ci0 < a.planes_per_block ? a.ci - ci0 : a.planes_per_block);
+  // The W and H tables, adjacent in Plan::tables, staged together. Read through L1 instead,
+  // plane_dft took 221 us per seed call against 159 (docs/performance.md).
+  const int w_table_n = a.w * a.lwf_pad, h_table_n = a.h_rows * a.h_cols + (a.radix2 ? a.h_rows : 0);
+  C* w_table = reinterpret_cast<C*>(smem_bytes);
+  C* h_table = w_table + w_table_n;
+  C* spec = h_table + h_table_n;  // [planes][slice_stride]: the plane's DFT over W, [h, fw]
+  copy_to_shared(w_table, static_cast<const C*>(a.table), w_table_n + h_table_n);
+  T* rows = reinterpret_cast<T*>(spec + a.planes_per_block * a.slice_stride);  // [planes * H][W + 1]
+  const int row_pitch = a.w + 1;  // odd: a warp's rows fall in distinct banks
+
+  const T* x = static_cast<const T*>(a.x) + ((b * a.ci + ci0) * a.d + d) * a.h * a.w;
+  const int64_t plane_stride = int64_t(a.d) * a.h * a.w;
+  if (a.vector_loads) {
+    load_planes<T, typename Vec16<T>::type>(rows, x, plane_stride, planes, a.h, a.w, row_pitch);
+  } else {
+    load_planes<T, T>(rows, x, plane_stride, planes, a.h, a.w, row_pitch);
+  }
+  // An odd H under radix 2: one zero row, the odd inputs' last.
+  if (a.h_rows_pad > a.h) {
+    for (int i = threadIdx.x; i < planes * a.lwf; i += kThreads) {
+      spec[(i / a.lwf) * a.slice_stride + a.h * a.lwf + i % a.lwf] = C{0, 0};
+    }
+  }
+  __syncthreads();
+
+  // W stage: spec[plane][h][fw] = sum_w x[plane][h][w] exp(-2 pi i fw w / Lw), kRowTile
+  // rows (strided by the tile count, so a warp's rows are adjacent) x kBinTile bins per thread.
+  {
+    const int row_count = planes * a.h;
+    const int row_tiles = (row_count + kRowTile - 1) / kRowTile, bin_tiles = a.lwf_pad / kBinTile;
+    for (int t = threadIdx.x; t < row_tiles * bin_tiles; t += kThreads) {
+      const int tr = t % row_tiles, fw0 = (t / row_tiles) * kBinTile;
+      const T* row[kRowTile];
+#pragma unroll
+      for (int i = 0; i < kRowTile; ++i) row[i] = rows + min(tr + i * row_tiles, row_count - 1) * row_pitch;
+      C acc[kRowTile][kBinTile];
+#pragma unroll
+      for (int i = 0; i < kRowTile; ++i)
+#pragma unroll
+        for (int j = 0; j < kBinTile; ++j) acc[i][j] = C{0, 0};
+      for (int w = 0; w < a.w; ++w) {
+        C f[kBinTile];
+        load_bins(w_table + w * a.lwf_pad + fw0, f);  // rows of whole tiles: 16-byte aligned
+#pragma unroll
+        for (int i = 0; i < kRowTile; ++i) {
+          const T v = row[i][w];
+#pragma unroll
+          for (int j = 0; j < kBinTile; ++j) {
+            acc[i][j].x = fma(v, f[j].x, acc[i][j].x);
+            acc[i][j].y = fma(v, f[j].y, acc[i][j].y);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kRowTile; ++i) {
+        const int r = tr + i * row_tiles;
+        if (r >= row_count) continue;
+        C* out = spec + (r / a.h) * a.slice_stride + (r % a.h) * a.lwf;
+#pragma unroll
+        for (int j = 0; j < kBinTile; ++j) {
+          if (fw0 + j < a.lwf) out[fw0 + j] = acc[i][j];
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // H stage: kFreqTile frequencies (rows of the H table) x 2 bins per thread, the
+  // channel fastest among threads, so that a warp's stores to t are whole 32-byte pieces.
+  const int half = (a.lwf + 1) / 2, columns = planes * half;
+  const int freq_tiles = (a.h_rows + kFreqTile - 1) / kFreqTile;
+  C* t_out = static_cast<C*>(a.t);
+  for (int t = threadIdx.x; t < columns * freq_tiles; t += kThreads) {
+    const int column = t % columns, j0 = (t / columns) * kFreqTile;
+    const int plane = column % planes, fw_a = column / planes, fw_b = min(fw_a + half, a.lwf - 1);
+    const C* in = spec + plane * a.slice_stride;
+    const C* f_row[kFreqTile];
+#pragma unroll
+    for (int i = 0; i < kFreqTile; ++i) f_row[i] = h_table + min(j0 + i, a.h_rows - 1) * a.h_cols;
+    C even[kFreqTile][2], odd[kFreqTile][2];
+#pragma unroll
+    for (int i = 0; i < kFreqTile; ++i) {
+      even[i][0] = even[i][1] = odd[i][0] = odd[i][1] = C{0, 0};
+    }
+    const int step = a.radix2 ? 2 : 1;
+    for (int c = 0; c < a.h_cols; ++c) {
+      const C* in_row = in + c * step * a.lwf;
+      const C e0 = in_row[fw_a], e1 = in_row[fw_b];
+      if (a.radix2) {
+        const C o0 = in_row[a.lwf + fw_a], o1 = in_row[a.lwf + fw_b];
+#pragma unroll
+        for (int i = 0; i < kFreqTile; ++i) {
+          const C f = f_row[i][c];
+          mul_add(even[i][0], f, e0);
+          mul_add(even[i][1], f, e1);
+          mul_add(odd[i][0], f, o0);
+          mul_add(odd[i][1], f, o1);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kFreqTile; ++i) {
+          const C f = f_row[i][c];
+          mul_add(even[i][0], f, e0);
+          mul_add(even[i][1], f, e1);
+        }
+      }
+    }
+    const int64_t base = ((b * a.d + d) * a.lh) * a.lwf;
+#pragma unroll
+    for (int i = 0; i < kFreqTile; ++i) {
+      const int j = j0 + i;
+      if (j >= a.h_rows) continue;
+      const C twiddle = a.radix2 ? h_table[a.h_rows * a.h_cols + j] : C{1, 0};
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int fw = k == 0 ? fw_a : fw_a + half;
+        if (fw >= a.lwf) continue;
+        if (a.radix2) {
+          const C o = mul(twiddle, odd[i][k]);
+          t_out[(base + int64_t(j) * a.lwf + fw) * a.ci + ci0 + plane] = C{even[i][k].x + o.x, even[i][k].y + o.y};
+          t_out[(base + int64_t(j + a.h_rows) * a.lwf + fw) * a.ci + ci0 + plane] =
+              C{even[i][k].x - o.x, even[i][k].y - o.y};
+        } else {
+          t_out[(base + int64_t(j) * a.lwf + fw) * a.ci + ci0 + plane] = even[i][k];
+        }
+      }
+    }
+  }
+}
+
+struct DepthArgs {
+  const void* t;      // [n, D, Lh, Lwf, Ci]
+  void* spectrum;     // [Ld, Lh, Lwf, B, Ci]
+  const void* table;  // Plan::tables
+  int64_t columns;    // Lh Lwf Ci: one sample's columns
+  int64_t threads;    // n columns
+  int64_t batch, b0, ci, d_off;
+  int d, rows, cols, rows_pad;
+  bool radix2;
+};
+
+// One thread per column (b, fh, fw, ci); kTile output rows of the D table per pass over
+// the column's D values.
+template <typename T, int kTile>
+__global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
+  using C = typename Complex<T>::type;
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  C* table = reinterpret_cast<C*>(smem_bytes);  // [cols][rows_pad], then rows_pad twiddles
+  copy_to_shared(table, static_cast<const C*>(a.table) + a.d_off,
+                 a.cols * a.rows_pad + (a.radix2 ? a.rows_pad : 0));
+  __syncthreads();
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (e >= a.threads) return;
+  const int64_t b = e / a.columns, column = e % a.columns;
+  const C* __restrict__ in = static_cast<const C*>(a.t) + b * a.d * a.columns + column;
+  const int64_t pos = column / a.ci, ci = column % a.ci;
+  // spectrum[fd][pos][b0 + b][ci], pos = (fh, fw)
+  const int64_t positions = a.columns / a.ci;
+  C* out = static_cast<C*>(a.spectrum) + (pos * a.batch + a.b0 + b) * a.ci + ci;
+  const int64_t fd_stride = positions * a.batch * a.ci;
+  const int step = a.radix2 ? 2 : 1;
+  constexpr int kChunk = kLoads / 2;  // columns of the table per round of loads (two values each)
+  for (int j0 = 0; j0 < a.rows; j0 += kTile) {
+    C even[kTile], odd[kTile];
+#pragma unroll
+    for (int i = 0; i < kTile; ++i) even[i] = odd[i] = C{0, 0};
+    for (int c0 = 0; c0 < a.cols; c0 += kChunk) {
+      C ev[kChunk], ov[kChunk];
+#pragma unroll
+      for (int u = 0; u < kChunk; ++u) {
+        const int dd = (c0 + u) * step;
+        ev[u] = c0 + u < a.cols ? in[int64_t(dd) * a.columns] : C{0, 0};
+        ov[u] = a.radix2 && c0 + u < a.cols && dd + 1 < a.d ? in[int64_t(dd + 1) * a.columns] : C{0, 0};
+      }
+#pragma unroll
+      for (int u = 0; u < kChunk; ++u) {
+        if (c0 + u >= a.cols) break;
+        const C* f = table + (c0 + u) * a.rows_pad + j0;
+#pragma unroll
+        for (int i = 0; i < kTile; ++i) {
+          mul_add(even[i], f[i], ev[u]);
+          if (a.radix2) mul_add(odd[i], f[i], ov[u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kTile; ++i) {
+      const int j = j0 + i;
+      if (j >= a.rows) break;
+      if (a.radix2) {
+        const C o = mul(table[a.cols * a.rows_pad + j], odd[i]);
+        out[j * fd_stride] = C{even[i].x + o.x, even[i].y + o.y};
+        out[(j + a.rows) * fd_stride] = C{even[i].x - o.x, even[i].y - o.y};
+      } else {
+        out[j * fd_stride] = even[i];
+      }
+    }
+  }
+}
+
+int64_t smem_limit() {
+  return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+}
+
+template <typename K>
+void allow_smem(K kernel, int64_t bytes) {
+  if (bytes > (48 << 10)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+  }
+}
+
+template <typename T>
+void launch_plane(const PlaneArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
+  auto kernel = plane_dft_kernel<T>;
+  allow_smem(kernel, smem);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int kTile>
+void launch_depth_tile(const DepthArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
+  auto kernel = depth_dft_kernel<T, kTile>;
+  allow_smem(kernel, smem);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_depth(int64_t tile, const DepthArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
+  switch (tile) {
+    case 4: return launch_depth_tile<T, 4>(args, blocks, smem, stream);
+    case 8: return launch_depth_tile<T, 8>(args, blocks, smem, stream);
+    case 10: return launch_depth_tile<T, 10>(args, blocks, smem, stream);
+    case 12: return launch_depth_tile<T, 12>(args, blocks, smem, stream);
+    default: return launch_depth_tile<T, 16>(args, blocks, smem, stream);
+  }
+}
+
+// The plan's tables on x's device, cached per stream (table_cache.h).
+at::Tensor tables_for(const Plan& p, const at::Tensor& x, at::ScalarType complex) {
+  static auto* cache = new TableCache<at::Tensor>();  // never destroyed: CUDA tensors at exit
+  std::vector<int64_t> key = {p.d, p.h, p.w, p.ld, p.lh, p.lw, static_cast<int64_t>(complex)};
+  return cache->get(std::move(key), x.device(), table_stream_cuda(x.device()),
+                    [&] { return build_tables(p, x.options(), complex); });
+}
+
+PlaneArgs plane_args(const Plan& p, const at::Tensor& tables, const at::Tensor& t, int64_t ci, int64_t planes) {
+  PlaneArgs a;
+  a.t = t.data_ptr();
+  a.table = tables.data_ptr();
+  a.ci = ci;
+  a.planes_per_block = planes;
+  a.d = static_cast<int>(p.d), a.h = static_cast<int>(p.h), a.w = static_cast<int>(p.w);
+  a.lh = static_cast<int>(p.lh), a.lwf = static_cast<int>(p.lwf), a.lwf_pad = static_cast<int>(p.lwf_pad);
+  a.h_rows_pad = static_cast<int>(p.h_rows_pad);
+  a.h_rows = static_cast<int>(p.axis_h.rows()), a.h_cols = static_cast<int>(p.axis_h.columns());
+  a.slice_stride = static_cast<int>(plane_slice_stride(p.h_rows_pad, p.lwf));
+  a.radix2 = p.axis_h.radix2;
+  return a;
+}
+
+DepthArgs depth_args(const Plan& p, const at::Tensor& tables, const at::Tensor& t, const at::Tensor& spectrum) {
+  DepthArgs a;
+  a.t = t.data_ptr();
+  a.spectrum = spectrum.data_ptr();
+  a.table = tables.data_ptr();
+  a.batch = spectrum.size(3);
+  a.ci = spectrum.size(4);
+  a.columns = p.lh * p.lwf * a.ci;
+  a.d_off = p.d_off;
+  a.d = static_cast<int>(p.d);
+  a.rows = static_cast<int>(p.axis_d.rows()), a.cols = static_cast<int>(p.axis_d.columns());
+  a.rows_pad = static_cast<int>(p.depth_rows_pad);
+  a.radix2 = p.axis_d.radix2;
+  return a;
+}
+
+}  // namespace
+
+bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum) {
+  const bool is_double = x.scalar_type() == at::kDouble;
+  if (!(is_double || x.scalar_type() == at::kFloat)) return false;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t csize = is_double ? 16 : 8;
+  const Plan p = make_plan(x, grid);
+  const int64_t batch = x.size(0), ci = x.size(1), columns = p.lh * p.lwf * ci;
+  const int64_t slice = std::clamp<int64_t>(kSliceBytes / (p.d * columns * csize), 1, batch);
+  // Blocks of up to kMaxPlanes channels, fewer where their shared memory does not fit or
+  // where there would be fewer than two blocks per SM (small problems: latency-bound);
+  // a plane that does not fit at all leaves x to cuFFT.
+  const int64_t limit = smem_limit();
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int64_t planes = std::min<int64_t>(kMaxPlanes, ci);
+  while (planes > 1 && (plane_smem(p, planes).bytes(csize) > limit ||
+                        slice * p.d * ((ci + planes - 1) / planes) < 2 * sms)) {
+    planes = (planes + 1) / 2;
+  }
+  const int64_t plane_bytes = plane_smem(p, planes).bytes(csize), depth_bytes = p.d_table() * csize;
+  if (plane_bytes > limit || depth_bytes > limit) return false;
+  if (x.numel() == 0) return true;
+
+  const int64_t groups = (ci + planes - 1) / planes;
+  TORCH_CHECK(slice * p.d * groups < (int64_t(1) << 31) && (slice * columns + kThreads - 1) / kThreads < (int64_t(1) << 31),
+              "ct_bn_pool: x too large for its spectrum's DFT launches (", to_str(x.sizes()), ")");
+  const at::Tensor tables = tables_for(p, x, spectrum.scalar_type());
+  const at::Tensor t = at::empty({slice * p.d * columns}, spectrum.options());
+  PlaneArgs pa = plane_args(p, tables, t, ci, planes);
+  DepthArgs da = depth_args(p, tables, t, spectrum);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t b0 = 0; b0 < batch; b0 += slice) {
+    const int64_t n = std::min(slice, batch - b0);
+    // Another layout of x is copied a slice at a time, so the copy stays as small as t.
+    const at::Tensor xs = x.narrow(0, b0, n).contiguous();
+    pa.x = xs.data_ptr();
+    pa.vector_loads = p.w % (16 / x.element_size()) == 0 && reinterpret_cast<std::uintptr_t>(pa.x) % 16 == 0;
+    da.b0 = b0;
+    da.threads = n * columns;
+    const int64_t depth_blocks = (da.threads + kThreads - 1) / kThreads;
+    if (is_double) {
+      launch_plane<double>(pa, n * p.d * groups, plane_bytes, stream);
+      launch_depth<double>(p.depth_tile, da, depth_blocks, depth_bytes, stream);
+    } else {
+      launch_plane<float>(pa, n * p.d * groups, plane_bytes, stream);
+      launch_depth<float>(p.depth_tile, da, depth_blocks, depth_bytes, stream);
+    }
+  }
+  return true;
+}
+
+}  // namespace fused_ops
