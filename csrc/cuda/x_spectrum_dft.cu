@@ -1,5 +1,5 @@
 // x's spectrum (x_spectrum.h) by DFT matrices in shared memory instead of cuFFT
-// (docs/math.md §3.3, "x's spectrum"). cuFFT needs x zero-padded to the grid and
+// (docs/math.md §3.3.2). cuFFT needs x zero-padded to the grid and
 // writes [B, Ci, F]: a pad copy, three passes and a scatter into [F, B, Ci], 306 us per
 // seed call (docs/performance.md). Here the padding is never stored (a DFT over the
 // first D, H, W inputs of a padded axis is the same sum) and the transposes fall out
