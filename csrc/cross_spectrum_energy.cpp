@@ -146,8 +146,8 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1);
   const int64_t fd_bytes = grid[1] * mw * entries * x_spec.element_size();
   const int64_t most = std::clamp<int64_t>(chunk_budget(x_spec, 1, kMaxRowsBytes) / fd_bytes, 1, grid[0]);
-  // Balanced chunks, no small last one: the seed problem's 8, 8 and 4 depth frequencies made
-  // W-stage launches of 3.3, 3.3 and 1.6 waves of blocks (10 waves' time), 7, 7 and 6 make 9.
+  // Balanced chunks, no small last one (seed: 7, 7 and 6 depth frequencies, not 8, 8 and 4):
+  // the same GPU time, 8 MiB less peak memory (docs/performance.md, 22:48-22:54 UTC runs).
   const int64_t chunks = (grid[0] + most - 1) / most, chunk = (grid[0] + chunks - 1) / chunks;
   auto r = at::zeros({1, md, mh * mw * entries}, coef_d.options());
   for (int64_t fd0 = 0; fd0 < grid[0]; fd0 += chunk) {
