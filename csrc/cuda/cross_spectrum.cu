@@ -17,6 +17,7 @@
 #include <algorithm>
 
 #include "cuda/kernels.h"
+#include "cuda/spectrum_common.cuh"
 #include "message.h"
 
 namespace fused_ops {
@@ -25,17 +26,6 @@ namespace {
 constexpr int kSide = 16;        // threads per side of a block's tile: 256 threads
 constexpr int kBatchChunk = 16;  // samples of one frequency staged in shared memory at a time
 
-template <typename T>
-struct ComplexOf;
-template <>
-struct ComplexOf<float> {
-  using type = float2;
-};
-template <>
-struct ComplexOf<double> {
-  using type = double2;
-};
-
 struct RowsArgs {
   const void* x;     // [Ld, Lh, Lwf, B, Ci], complex of T
   const void* coef;  // [Lwf, lags_total], complex of T
@@ -43,26 +33,15 @@ struct RowsArgs {
   int64_t fd0, lh, lwf, batch, ci, cig, tiles, lags_total, lag0, lags;
 };
 
-// a b + c, one rounding (FFMA / DFMA).
-__device__ __forceinline__ float madd(float a, float b, float c) { return fmaf(a, b, c); }
-__device__ __forceinline__ double madd(double a, double b, double c) { return fma(a, b, c); }
-
-// acc += conj(u) v, and acc += s w, as four fused multiply-adds each: written as
-// `acc.x += u.x * v.x + u.y * v.y` the compiler kept a separate multiply and add
-// (ncu on the seed call: 29M FFMA against 59M FMUL/FADD instructions, issue-bound).
+// acc += conj(u) v as four fused multiply-adds (add_product's, spectrum_common.cuh): written
+// as `acc.x += u.x * v.x + u.y * v.y` the compiler kept a separate multiply and add (ncu on
+// the seed call: 29M FFMA against 59M FMUL/FADD instructions, issue-bound).
 template <typename C>
 __device__ __forceinline__ void add_conj_product(C& acc, const C& u, const C& v) {
   acc.x = madd(u.x, v.x, acc.x);
   acc.x = madd(u.y, v.y, acc.x);
   acc.y = madd(u.x, v.y, acc.y);
   acc.y = madd(-u.y, v.x, acc.y);
-}
-template <typename C>
-__device__ __forceinline__ void add_product(C& acc, const C& s, const C& w) {
-  acc.x = madd(s.x, w.x, acc.x);
-  acc.x = madd(-s.y, w.y, acc.x);
-  acc.y = madd(s.x, w.y, acc.y);
-  acc.y = madd(s.y, w.x, acc.y);
 }
 
 // The kMirror sums of cross_spectrum_kernel: ac += (p a, p b), bd += (q b, q a).

@@ -1,12 +1,42 @@
 #pragma once
-// Complex arithmetic and DFT twiddles shared by the FFT-path kernels.
+// Complex arithmetic and DFT twiddles shared by the kernels of the spectral paths (fft,
+// cross_spectrum, x's spectrum).
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 namespace fused_ops {
 
-// acc += a * b
+// x's dtype's complex type, and the 16-byte vector its rows are loaded by.
+template <typename T>
+struct ComplexOf;
+template <>
+struct ComplexOf<float> {
+  using type = float2;
+  using vec16 = float4;
+};
+template <>
+struct ComplexOf<double> {
+  using type = double2;
+  using vec16 = double2;
+};
+
+// a b + c, one rounding (FFMA / DFMA).
+__device__ __forceinline__ float madd(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double madd(double a, double b, double c) { return fma(a, b, c); }
+
+// acc += s w as four fused multiply-adds, real part first: written as
+// `acc.x += s.x * w.x - s.y * w.y` the compiler kept separate multiplies and adds
+// (ncu on cross_spectrum.cu, docs/performance.md).
+template <typename C>
+__device__ __forceinline__ void add_product(C& acc, const C& s, const C& w) {
+  acc.x = madd(s.x, w.x, acc.x);
+  acc.x = madd(-s.y, w.y, acc.x);
+  acc.y = madd(s.x, w.y, acc.y);
+  acc.y = madd(s.y, w.x, acc.y);
+}
+
+// acc += a * b (float32 only; the FFT path's own order of the two sums)
 __device__ __forceinline__ void cfma(float2& acc, float2 a, float2 b) {
   acc.x = fmaf(a.x, b.x, fmaf(-a.y, b.y, acc.x));
   acc.y = fmaf(a.x, b.y, fmaf(a.y, b.x, acc.y));

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cuda/kernels.h"
+#include "cuda/spectrum_common.cuh"
 #include "message.h"
 #include "table_cache.h"
 
@@ -34,17 +35,6 @@ constexpr int kBinTile = 4;
 constexpr int kFreqTile = 3;   // H stage: frequencies x bins per thread
 // Bytes of t per launch pair: the slice of the batch whose t stays in L2.
 constexpr int64_t kSliceBytes = int64_t(24) << 20;
-
-template <typename T>
-struct Complex;
-template <>
-struct Complex<float> {
-  using type = float2;
-};
-template <>
-struct Complex<double> {
-  using type = double2;
-};
 
 // Loads in flight per thread where a kernel reads x, t or its tables: a block that loaded
 // its values one round trip at a time spent most of its time waiting (281 us of plane_dft
@@ -96,17 +86,6 @@ __device__ __forceinline__ void load_planes(T* rows, const T* __restrict__ x, in
   }
 }
 
-template <typename T>
-struct Vec16;
-template <>
-struct Vec16<float> {
-  using type = float4;
-};
-template <>
-struct Vec16<double> {
-  using type = double2;
-};
-
 // kBinTile adjacent table entries, 16 bytes per load.
 __device__ __forceinline__ void load_bins(const float2* src, float2 (&dst)[kBinTile]) {
 #pragma unroll
@@ -121,13 +100,6 @@ __device__ __forceinline__ void load_bins(const double2* src, double2 (&dst)[kBi
   for (int j = 0; j < kBinTile; ++j) dst[j] = src[j];
 }
 
-template <typename C>
-__device__ __forceinline__ void mul_add(C& acc, const C& f, const C& v) {
-  acc.x = fma(f.x, v.x, acc.x);
-  acc.x = fma(-f.y, v.y, acc.x);
-  acc.y = fma(f.x, v.y, acc.y);
-  acc.y = fma(f.y, v.x, acc.y);
-}
 template <typename C>
 __device__ __forceinline__ C mul(const C& a, const C& b) {
   return C{a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x};
@@ -253,7 +225,7 @@ PlaneSmem plane_smem(const Plan& p, int64_t planes) {
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
-  using C = typename Complex<T>::type;
+  using C = typename ComplexOf<T>::type;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   const int64_t groups = (a.ci + a.planes_per_block - 1) / a.planes_per_block;
   const int64_t unit = blockIdx.x;
@@ -273,7 +245,7 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   const T* x = static_cast<const T*>(a.x) + ((b * a.ci + ci0) * a.d + d) * a.h * a.w;
   const int64_t plane_stride = int64_t(a.d) * a.h * a.w;
   if (a.vector_loads) {
-    load_planes<T, typename Vec16<T>::type>(rows, x, plane_stride, planes, a.h, a.w, row_pitch);
+    load_planes<T, typename ComplexOf<T>::vec16>(rows, x, plane_stride, planes, a.h, a.w, row_pitch);
   } else {
     load_planes<T, T>(rows, x, plane_stride, planes, a.h, a.w, row_pitch);
   }
@@ -353,17 +325,17 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
 #pragma unroll
         for (int i = 0; i < kFreqTile; ++i) {
           const C f = f_row[i][c];
-          mul_add(even[i][0], f, e0);
-          mul_add(even[i][1], f, e1);
-          mul_add(odd[i][0], f, o0);
-          mul_add(odd[i][1], f, o1);
+          add_product(even[i][0], f, e0);
+          add_product(even[i][1], f, e1);
+          add_product(odd[i][0], f, o0);
+          add_product(odd[i][1], f, o1);
         }
       } else {
 #pragma unroll
         for (int i = 0; i < kFreqTile; ++i) {
           const C f = f_row[i][c];
-          mul_add(even[i][0], f, e0);
-          mul_add(even[i][1], f, e1);
+          add_product(even[i][0], f, e0);
+          add_product(even[i][1], f, e1);
         }
       }
     }
@@ -405,7 +377,7 @@ struct DepthArgs {
 // the column's D values.
 template <typename T, int kTile>
 __global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
-  using C = typename Complex<T>::type;
+  using C = typename ComplexOf<T>::type;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   C* table = reinterpret_cast<C*>(smem_bytes);  // [cols][rows_pad], then rows_pad twiddles
   copy_to_shared(table, static_cast<const C*>(a.table) + a.d_off,
@@ -440,8 +412,8 @@ __global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
         const C* f = table + (c0 + u) * a.rows_pad + j0;
 #pragma unroll
         for (int i = 0; i < kTile; ++i) {
-          mul_add(even[i], f[i], ev[u]);
-          if (a.radix2) mul_add(odd[i], f[i], ov[u]);
+          add_product(even[i], f[i], ev[u]);
+          if (a.radix2) add_product(odd[i], f[i], ov[u]);
         }
       }
     }
