@@ -93,7 +93,7 @@ struct Backend {
   // w_hat (the sub-kernels' spectra as [Re; Im]) and v [Md, Mh, Mw, G, 2 Cig, C]
   // double, mirror [Mw] double.
   at::Tensor (*quad_forms)(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
-  // The copies around x's FFT (x_spectrum.h).
+  // x's spectrum's kernels: a DFT without the FFT, or the copies around it (x_spectrum.h).
   SpectrumKernels spectrum_kernels;
 };
 

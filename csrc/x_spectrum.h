@@ -26,7 +26,8 @@ constexpr SpectrumKernels kAtenSpectrumKernels = {nullptr, pad_aten, scatter_ate
 
 // [Ld, Lh, Lw / 2 + 1, B, Ci]: rfftn of x [B, Ci, D, H, W] (any layout) at size
 // grid = (Ld, Lh, Lw) >= (D, H, W), complex64 for float32 x, complex128 for
-// float64. Computed over slices of the batch so the FFT's temporaries stay small.
+// float64. Computed over slices of the batch so the temporaries (the DFT's or the
+// FFT's) stay small.
 at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const SpectrumKernels& kernels);
 
 }  // namespace fused_ops
