@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/kernels.h"
+#include "cuda/spectrum_common.cuh"
 #include "message.h"
 
 namespace fused_ops {
@@ -27,10 +28,6 @@ struct BlocksArgs {
   double* out;            // [Md, Mh, Mwh, G, 2 Cig, 2 Cig]
   int64_t md, mh, mwh, groups, cig, chunks;
 };
-
-__device__ __forceinline__ double2 cmul(double2 a, double2 b) {
-  return double2{a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x};
-}
 
 __global__ void __launch_bounds__(kThreads) correlation_blocks_kernel(BlocksArgs a) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;

@@ -36,6 +36,12 @@ __device__ __forceinline__ void add_product(C& acc, const C& s, const C& w) {
   acc.y = madd(s.y, w.x, acc.y);
 }
 
+// a b, complex.
+template <typename C>
+__device__ __forceinline__ C cmul(const C& a, const C& b) {
+  return C{a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x};
+}
+
 // acc += a * b (float32 only; the FFT path's own order of the two sums)
 __device__ __forceinline__ void cfma(float2& acc, float2 a, float2 b) {
   acc.x = fmaf(a.x, b.x, fmaf(-a.y, b.y, acc.x));

@@ -100,11 +100,6 @@ __device__ __forceinline__ void load_bins(const double2* src, double2 (&dst)[kBi
   for (int j = 0; j < kBinTile; ++j) dst[j] = src[j];
 }
 
-template <typename C>
-__device__ __forceinline__ C mul(const C& a, const C& b) {
-  return C{a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x};
-}
-
 // One axis's DFT matrix as the kernels read it. Radix 2 (even grid L): rows j < L / 2,
 // columns a < ceil(n / 2), entry exp(-2 pi i 2aj / L), and the twiddles exp(-2 pi i j / L);
 // an output pair is (E + w O, E - w O) at (j, j + L / 2), E and O the sums over the even
@@ -350,7 +345,7 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
         const int fw = k == 0 ? fw_a : fw_a + half;
         if (fw >= a.lwf) continue;
         if (a.radix2) {
-          const C o = mul(twiddle, odd[i][k]);
+          const C o = cmul(twiddle, odd[i][k]);
           t_out[(base + int64_t(j) * a.lwf + fw) * a.ci + ci0 + plane] = C{even[i][k].x + o.x, even[i][k].y + o.y};
           t_out[(base + int64_t(j + a.h_rows) * a.lwf + fw) * a.ci + ci0 + plane] =
               C{even[i][k].x - o.x, even[i][k].y - o.y};
@@ -422,7 +417,7 @@ __global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
       const int j = j0 + i;
       if (j >= a.rows) break;
       if (a.radix2) {
-        const C o = mul(table[a.cols * a.rows_pad + j], odd[i]);
+        const C o = cmul(table[a.cols * a.rows_pad + j], odd[i]);
         out[j * fd_stride] = C{even[i].x + o.x, even[i].y + o.y};
         out[(j + a.rows) * fd_stride] = C{even[i].x - o.x, even[i].y - o.y};
       } else {
