@@ -10,6 +10,7 @@
 #include <cub/block/block_reduce.cuh>
 
 #include "conv_transpose_point.h"
+#include "cuda/dynamic_smem.h"
 #include "cuda/kernels.h"
 
 namespace fused_ops {
@@ -94,11 +95,6 @@ int64_t direct_stage_bytes(const ConvGeometry& g, int64_t element_size) {
   return (g.in_spatial() + g.taps() * CT) * g.in_group_channels() * element_size;
 }
 
-// Shared memory a block may have on the current device, with the opt-in.
-int64_t stage_limit() {
-  return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
-}
-
 }  // namespace
 
 at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& packed,
@@ -113,15 +109,12 @@ at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& packed,
   auto energy = at::empty({g.batch, g.out_channels, splits}, x.options().dtype(at::kDouble));
   const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(splits));
   const int64_t stage_need = direct_stage_bytes(g, x.element_size());
-  const bool staged = stage_need <= stage_limit();
+  const bool staged = stage_need <= dynamic_smem_limit();
   const size_t stage_bytes = staged ? static_cast<size_t>(stage_need) : 0;
   const auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "energy_direct_cuda", [&] {
     auto kernel = staged ? energy_direct_kernel<scalar_t, true> : energy_direct_kernel<scalar_t, false>;
-    if (stage_bytes > (48 << 10)) {  // past the default limit
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(stage_bytes)));
-    }
+    allow_dynamic_smem(kernel, static_cast<int64_t>(stage_bytes));
     kernel<<<grid, kThreads, stage_bytes, stream>>>(x.data_ptr<scalar_t>(), packed.data_ptr<scalar_t>(),
                                                     sums.view(g), g, co_pad, energy.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda/dynamic_smem.h"
 #include "cuda/kernels.h"
 #include "cuda/spectrum_common.cuh"
 #include "message.h"
@@ -427,22 +428,10 @@ __global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
   }
 }
 
-int64_t smem_limit() {
-  return static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
-}
-
-template <typename K>
-void allow_smem(K kernel, int64_t bytes) {
-  if (bytes > (48 << 10)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(bytes)));
-  }
-}
-
 template <typename T>
 void launch_plane(const PlaneArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
   auto kernel = plane_dft_kernel<T>;
-  allow_smem(kernel, smem);
+  allow_dynamic_smem(kernel, smem);
   kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -450,7 +439,7 @@ void launch_plane(const PlaneArgs& args, int64_t blocks, int64_t smem, cudaStrea
 template <typename T, int kTile>
 void launch_depth_tile(const DepthArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
   auto kernel = depth_dft_kernel<T, kTile>;
-  allow_smem(kernel, smem);
+  allow_dynamic_smem(kernel, smem);
   kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -518,7 +507,7 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
   // Blocks of up to kMaxPlanes channels, fewer where their shared memory does not fit or
   // where there would be fewer than two blocks per SM (small problems: latency-bound);
   // a plane that does not fit at all leaves x to cuFFT.
-  const int64_t limit = smem_limit();
+  const int64_t limit = dynamic_smem_limit();
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int64_t planes = std::min<int64_t>(kMaxPlanes, ci);
   while (planes > 1 && (plane_smem(p, planes).bytes(csize) > limit ||
