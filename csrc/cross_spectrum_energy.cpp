@@ -12,6 +12,7 @@
 
 #include "phases.h"
 #include "table_cache.h"
+#include "unit_roots.h"
 #include "x_spectrum.h"
 
 namespace fused_ops {
@@ -31,14 +32,10 @@ int64_t chunk_budget(const at::Tensor& x_spec, int64_t share, int64_t max_bytes)
   return std::clamp<int64_t>(x_spec.numel() * x_spec.element_size() / share, kMinChunkBytes, max_bytes);
 }
 
-// [n, M] complex128 on `opts`' device: exp(2 pi i f step m / size) for frequencies
-// f < n and the M lags m of `lags` (long). The angle is reduced modulo size in
-// integers first, so it is exact however large f m gets.
+// [n, M] complex128: exp(2 pi i f step m / size) for frequencies f < n and the M lags m
+// of `lags` (long), on their device.
 at::Tensor lag_phases(int64_t size, int64_t n, int64_t step, const at::Tensor& lags) {
-  const at::Tensor f = at::arange(n, lags.options()).unsqueeze(1);
-  const at::Tensor turns = at::remainder(f * lags.unsqueeze(0) * step, size).to(at::kDouble);
-  const at::Tensor angle = turns.mul_(2 * M_PI / static_cast<double>(size));
-  return at::polar(at::ones_like(angle), angle);
+  return unit_roots(size, n, step, lags, 1.0);
 }
 
 // [size, M] complex128, M = 2 reach + 1: the H and D stages' coefficients, a frequency f

@@ -25,6 +25,7 @@
 #include "cuda/spectrum_common.cuh"
 #include "message.h"
 #include "table_cache.h"
+#include "unit_roots.h"
 
 namespace fused_ops {
 namespace {
@@ -114,13 +115,9 @@ struct AxisDft {
 
 AxisDft axis_dft(int64_t grid, int64_t inputs) { return AxisDft{grid, inputs, grid % 2 == 0}; }
 
-// [rows, cols] complex128: exp(-2 pi i ((r * step * c) mod size) / size), the angle
-// reduced in integers first so that it is exact for any r c.
+// [rows, cols] complex128: exp(-2 pi i ((r * step * c) mod size) / size).
 at::Tensor dft_matrix(int64_t size, int64_t rows, int64_t step, int64_t cols, const at::TensorOptions& opts) {
-  const at::Tensor r = at::arange(rows, opts.dtype(at::kLong)).unsqueeze(1);
-  const at::Tensor c = at::arange(cols, opts.dtype(at::kLong)).unsqueeze(0);
-  const at::Tensor angle = at::remainder(r * c * step, size).to(at::kDouble).mul_(-2 * M_PI / double(size));
-  return at::polar(at::ones_like(angle), angle);
+  return unit_roots(size, rows, step, at::arange(cols, opts.dtype(at::kLong)), -1.0);
 }
 
 // The matrix of `axis` [rows, cols] with its twiddles appended, flat.
