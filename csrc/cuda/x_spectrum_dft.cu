@@ -136,7 +136,7 @@ struct Plan {
   int64_t h_rows_pad;  // H's input rows in shared memory: even for radix 2
   int64_t depth_tile;  // depth_dft's accumulator rows per pass (its template)
   int64_t depth_rows_pad;
-  int64_t h_off, d_off;  // in complex entries; W's table is first
+  int64_t d_off;  // in complex entries: W's and H's tables come first, adjacent
   int64_t h_table() const { return axis_h.rows() * axis_h.columns() + (axis_h.radix2 ? axis_h.rows() : 0); }
   int64_t d_table() const { return axis_d.columns() * depth_rows_pad + (axis_d.radix2 ? depth_rows_pad : 0); }
 };
@@ -160,8 +160,7 @@ Plan make_plan(const at::Tensor& x, const int64_t grid[3]) {
     }
   }
   p.depth_rows_pad = (rows + p.depth_tile - 1) / p.depth_tile * p.depth_tile;
-  p.h_off = p.w * p.lwf_pad;
-  p.d_off = p.h_off + p.h_table();
+  p.d_off = p.w * p.lwf_pad + p.h_table();
   return p;
 }
 
@@ -210,7 +209,7 @@ int64_t plane_slice_stride(int64_t rows, int64_t lwf) {
 
 PlaneSmem plane_smem(const Plan& p, int64_t planes) {
   PlaneSmem s;
-  s.tables = p.h_off + p.h_table();
+  s.tables = p.d_off;  // W's and H's
   s.planes = planes * plane_slice_stride(p.h_rows_pad, p.lwf);
   s.x_rows = planes * p.h * (p.w + 1);
   return s;
