@@ -28,6 +28,9 @@ namespace {
 constexpr int64_t kMinChunkBytes = int64_t(8) << 20;
 constexpr int64_t kMaxRowsBytes = int64_t(48) << 20;
 constexpr int64_t kMaxWeightBytes = int64_t(32) << 20;
+// The H stage's output kept for one D stage over every depth frequency, where it is at most
+// this large (seed: 59 MB): per chunk, the D stage read and wrote Z^ (26.5 MB) each time.
+constexpr int64_t kMaxDeferredBytes = int64_t(64) << 20;
 int64_t chunk_budget(const at::Tensor& x_spec, int64_t share, int64_t max_bytes) {
   return std::clamp<int64_t>(x_spec.numel() * x_spec.element_size() / share, kMinChunkBytes, max_bytes);
 }
@@ -134,26 +137,31 @@ Tables tables_for(const Backend& backend, const ConvGeometry& g, const ConvGeome
 // R^, the DFT on the grid M of x's cross-correlation R' centred on its grid mean (the DC
 // bin left out), as the backend's correlation_blocks: [Md, Mh, Mw/2 + 1, G, 2 Cig, 2 Cig]
 // double (§3.5). The backend's W stage runs for a chunk of depth frequencies at a
-// time, its H stage on that chunk, and its D stage adds the chunk's terms to Z^,
-// already at the bins g_d, g_h of M and the lags m_w >= 0.
+// time and its H stage on that chunk; its D stage takes the H stage's output to Z^, already
+// at the bins g_d, g_h of M and the lags m_w >= 0: once over every depth frequency where
+// that output fits in kMaxDeferredBytes, else per chunk, adding the chunk's terms to Z^.
 at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec, const int64_t grid[3],
                                 const Tables& tables, int64_t groups) {
   const int64_t cig = x_spec.size(4) / groups, entries = groups * cig * cig;
   const at::Tensor &coef_w = tables.coef_w, &coef_h = tables.coef_h, &coef_d = tables.coef_d;
-  const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1);
-  const int64_t fd_bytes = grid[1] * mw * entries * x_spec.element_size();
+  const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1), columns = mw * entries;
+  const int64_t fd_bytes = grid[1] * columns * x_spec.element_size();
   const int64_t most = std::clamp<int64_t>(chunk_budget(x_spec, 1, kMaxRowsBytes) / fd_bytes, 1, grid[0]);
   // Balanced chunks, no small last one (seed: 7, 7 and 6 depth frequencies, not 8, 8 and 4):
   // the same GPU time, 8 MiB less peak memory (docs/performance.md, 22:48-22:54 UTC runs).
   const int64_t chunks = (grid[0] + most - 1) / most, chunk = (grid[0] + chunks - 1) / chunks;
-  auto r = at::zeros({1, md, mh * mw * entries}, coef_d.options());
+  const bool deferred = chunks == 1 || grid[0] * mh * columns * coef_h.element_size() <= kMaxDeferredBytes;
+  const at::Tensor p_all = deferred ? at::empty({grid[0], mh, columns}, coef_h.options()) : at::Tensor();
+  at::Tensor r = deferred ? at::empty({1, md, mh * columns}, coef_d.options())
+                          : at::zeros({1, md, mh * columns}, coef_d.options());
   for (int64_t fd0 = 0; fd0 < grid[0]; fd0 += chunk) {
     const int64_t n = std::min(chunk, grid[0] - fd0);
     const at::Tensor q = backend.cross_spectrum_rows(x_spec, fd0, n, coef_w, groups);
-    at::Tensor p = at::empty({n, mh, mw * entries}, coef_h.options());
-    backend.lag_stage(q.view({n, grid[1], mw * entries}), coef_h, p, false);
-    backend.lag_stage(p.view({1, n, mh * mw * entries}), coef_d.narrow(0, fd0, n), r, true);
+    at::Tensor p = deferred ? p_all.narrow(0, fd0, n) : at::empty({n, mh, columns}, coef_h.options());
+    backend.lag_stage(q.view({n, grid[1], columns}), coef_h, p, false);
+    if (!deferred) backend.lag_stage(p.view({1, n, mh * columns}), coef_d.narrow(0, fd0, n), r, true);
   }
+  if (deferred) backend.lag_stage(p_all.view({1, grid[0], mh * columns}), coef_d, r, false);
   return backend.correlation_blocks(r.view({md, mh, mw, groups, cig, cig}), tables.blocks);
 }
 
