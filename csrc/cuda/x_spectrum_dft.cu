@@ -9,8 +9,8 @@
 //   depth_dft:  one thread per (b, fh, fw, ci): the DFT over D, written into the
 //               spectrum's [Ld, Lh, Lwf, B, Ci].
 // t is a slice of the batch small enough to stay in L2 between the two. Where an axis's
-// grid is even, its complex DFT is split once into even and odd inputs (radix 2):
-// half the multiply-adds, then one butterfly per output pair.
+// grid is even, its complex DFT is split once by its inputs' index modulo 2 (H: 4 where the
+// grid allows): 1/2 (1/4) of the multiply-adds, then an R-point butterfly per R outputs.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -102,28 +102,36 @@ __device__ __forceinline__ void load_bins(const double2* src, double2 (&dst)[kBi
   for (int j = 0; j < kBinTile; ++j) dst[j] = src[j];
 }
 
-// One axis's DFT matrix as the kernels read it. Radix 2 (even grid L): rows j < L / 2,
-// columns a < ceil(n / 2), entry exp(-2 pi i 2aj / L), and the twiddles exp(-2 pi i j / L);
-// an output pair is (E + w O, E - w O) at (j, j + L / 2), E and O the sums over the even
-// and odd inputs. Direct: rows k < L, columns the n inputs, entry exp(-2 pi i kn / L).
+// One axis's DFT matrix as the kernels read it, split once by a radix R dividing the grid L
+// (1: direct): rows j < L / R, columns a < ceil(n / R), entry exp(-2 pi i R a j / L), then
+// the twiddles exp(-2 pi i c j / L) for c = 1 .. R - 1 (rows each). Z_c, the sum over the
+// inputs c, c + R, ..., times its twiddle is Y_c, and the outputs j + m L / R are the R-point
+// DFT of the Y_c: (Y_0 + Y_1, Y_0 - Y_1) for R = 2; for R = 4, sum_c (-i)^(c m) Y_c.
 struct AxisDft {
-  int64_t grid = 0, inputs = 0;
-  bool radix2 = false;
-  int64_t rows() const { return radix2 ? grid / 2 : grid; }
-  int64_t columns() const { return radix2 ? (inputs + 1) / 2 : inputs; }
+  int64_t grid = 0, inputs = 0, radix = 1;
+  bool radix2() const { return radix == 2; }
+  int64_t rows() const { return grid / radix; }
+  int64_t columns() const { return (inputs + radix - 1) / radix; }
+  int64_t twiddles() const { return (radix - 1) * rows(); }
 };
 
-AxisDft axis_dft(int64_t grid, int64_t inputs) { return AxisDft{grid, inputs, grid % 2 == 0}; }
+// The largest radix of {4, 2} up to `most` that divides the grid, else 1.
+AxisDft axis_dft(int64_t grid, int64_t inputs, int64_t most) {
+  const int64_t radix = most >= 4 && grid % 4 == 0 ? 4 : most >= 2 && grid % 2 == 0 ? 2 : 1;
+  return AxisDft{grid, inputs, radix};
+}
 
 // [rows, cols] complex128: exp(-2 pi i ((r * step * c) mod size) / size).
 at::Tensor dft_matrix(int64_t size, int64_t rows, int64_t step, int64_t cols, const at::TensorOptions& opts) {
   return unit_roots(size, rows, step, at::arange(cols, opts.dtype(at::kLong)), -1.0);
 }
 
-// The matrix of `axis` [rows, cols] with its twiddles appended, flat.
+// The matrix of `axis` [rows, cols] with its twiddles [R - 1, rows] appended, flat.
 at::Tensor axis_table(const AxisDft& axis, const at::TensorOptions& opts) {
-  std::vector<at::Tensor> parts = {dft_matrix(axis.grid, axis.rows(), axis.radix2 ? 2 : 1, axis.columns(), opts).reshape(-1)};
-  if (axis.radix2) parts.push_back(dft_matrix(axis.grid, axis.rows(), 1, 2, opts).select(1, 1));
+  std::vector<at::Tensor> parts = {dft_matrix(axis.grid, axis.rows(), axis.radix, axis.columns(), opts).reshape(-1)};
+  if (axis.radix > 1) {
+    parts.push_back(dft_matrix(axis.grid, axis.radix, 1, axis.rows(), opts).narrow(0, 1, axis.radix - 1).reshape(-1));
+  }
   return at::cat(parts);
 }
 
@@ -133,12 +141,12 @@ at::Tensor axis_table(const AxisDft& axis, const at::TensorOptions& opts) {
 struct Plan {
   int64_t d, h, w, ld, lh, lw, lwf, lwf_pad;
   AxisDft axis_h, axis_d;
-  int64_t h_rows_pad;  // H's input rows in shared memory: even for radix 2
+  int64_t h_rows_pad;  // H's input rows in shared memory: a multiple of its radix
   int64_t depth_tile;  // depth_dft's accumulator rows per pass (its template)
   int64_t depth_rows_pad;
   int64_t d_off;  // in complex entries: W's and H's tables come first, adjacent
-  int64_t h_table() const { return axis_h.rows() * axis_h.columns() + (axis_h.radix2 ? axis_h.rows() : 0); }
-  int64_t d_table() const { return axis_d.columns() * depth_rows_pad + (axis_d.radix2 ? depth_rows_pad : 0); }
+  int64_t h_table() const { return axis_h.rows() * axis_h.columns() + axis_h.twiddles(); }
+  int64_t d_table() const { return axis_d.columns() * depth_rows_pad + (axis_d.radix2() ? depth_rows_pad : 0); }
 };
 
 constexpr int kDepthTiles[] = {4, 8, 10, 12, 16};
@@ -148,9 +156,9 @@ Plan make_plan(const at::Tensor& x, const int64_t grid[3]) {
   p.d = x.size(2), p.h = x.size(3), p.w = x.size(4);
   p.ld = grid[0], p.lh = grid[1], p.lw = grid[2], p.lwf = grid[2] / 2 + 1;
   p.lwf_pad = (p.lwf + kBinTile - 1) / kBinTile * kBinTile;
-  p.axis_h = axis_dft(p.lh, p.h);
-  p.axis_d = axis_dft(p.ld, p.d);
-  p.h_rows_pad = p.axis_h.radix2 ? p.h + p.h % 2 : p.h;
+  p.axis_h = axis_dft(p.lh, p.h, 4);
+  p.axis_d = axis_dft(p.ld, p.d, 2);  // depth_dft: radix 2 at most
+  p.h_rows_pad = p.axis_h.columns() * p.axis_h.radix;
   const int64_t rows = p.axis_d.rows();
   p.depth_tile = kDepthTiles[4];
   for (const int tile : kDepthTiles) {
@@ -170,12 +178,12 @@ at::Tensor build_tables(const Plan& p, const at::TensorOptions& opts, at::Scalar
   const at::Tensor h_table = axis_table(p.axis_h, opts);
   const int64_t pad = p.depth_rows_pad - p.axis_d.rows();
   std::vector<at::Tensor> parts = {w_table, h_table,
-                                   at::constant_pad_nd(dft_matrix(p.ld, p.axis_d.rows(), p.axis_d.radix2 ? 2 : 1,
+                                   at::constant_pad_nd(dft_matrix(p.ld, p.axis_d.rows(), p.axis_d.radix,
                                                                   p.axis_d.columns(), opts)
                                                            .t(),
                                                        {0, pad})
                                        .reshape(-1)};
-  if (p.axis_d.radix2) parts.push_back(at::constant_pad_nd(dft_matrix(p.ld, p.axis_d.rows(), 1, 2, opts).select(1, 1), {0, pad}));
+  if (p.axis_d.radix2()) parts.push_back(at::constant_pad_nd(dft_matrix(p.ld, p.axis_d.rows(), 1, 2, opts).select(1, 1), {0, pad}));
   const at::Tensor tables = at::cat(parts).to(complex);
   TORCH_INTERNAL_ASSERT(tables.numel() == p.d_off + p.d_table());
   return tables;
@@ -187,7 +195,6 @@ struct PlaneArgs {
   const void* table; // Plan::tables
   int64_t ci, planes_per_block;
   int d, h, w, lh, lwf, lwf_pad, h_rows_pad, h_rows, h_cols, slice_stride;
-  bool radix2;
   bool vector_loads;  // rows of x are whole 16-byte pieces, 16-byte aligned
 };
 
@@ -215,7 +222,31 @@ PlaneSmem plane_smem(const Plan& p, int64_t planes) {
   return s;
 }
 
-template <typename T>
+// The outputs j + m L / R, m < R, of one split DFT from its sums z[c] over the inputs c,
+// c + R, ... (AxisDft); twiddles: the H table's, [R - 1][rows].
+template <int kRadix, typename C>
+__device__ __forceinline__ void split_outputs(C (&z)[kRadix], const C* twiddles, int rows, int j, C (&out)[kRadix]) {
+  C y[kRadix];
+  y[0] = z[0];
+#pragma unroll
+  for (int c = 1; c < kRadix; ++c) y[c] = cmul(twiddles[(c - 1) * rows + j], z[c]);
+  if constexpr (kRadix == 1) {
+    out[0] = y[0];
+  } else if constexpr (kRadix == 2) {
+    out[0] = C{y[0].x + y[1].x, y[0].y + y[1].y};
+    out[1] = C{y[0].x - y[1].x, y[0].y - y[1].y};
+  } else {
+    static_assert(kRadix == 4, "radix 1, 2 or 4");
+    const C s02{y[0].x + y[2].x, y[0].y + y[2].y}, d02{y[0].x - y[2].x, y[0].y - y[2].y};
+    const C s13{y[1].x + y[3].x, y[1].y + y[3].y}, d13{y[1].x - y[3].x, y[1].y - y[3].y};
+    out[0] = C{s02.x + s13.x, s02.y + s13.y};
+    out[2] = C{s02.x - s13.x, s02.y - s13.y};
+    out[1] = C{d02.x + d13.y, d02.y - d13.x};  // y0 - i y1 - y2 + i y3
+    out[3] = C{d02.x - d13.y, d02.y + d13.x};  // y0 + i y1 - y2 - i y3
+  }
+}
+
+template <typename T, int kRadix>
 __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   using C = typename ComplexOf<T>::type;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
@@ -226,7 +257,7 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   const int planes = static_cast<int>(a.ci - ci0 < a.planes_per_block ? a.ci - ci0 : a.planes_per_block);
   // The W and H tables, adjacent in Plan::tables, staged together. Read through L1 instead,
   // plane_dft took 221 us per seed call against 159 (docs/performance.md).
-  const int w_table_n = a.w * a.lwf_pad, h_table_n = a.h_rows * a.h_cols + (a.radix2 ? a.h_rows : 0);
+  const int w_table_n = a.w * a.lwf_pad, h_table_n = a.h_rows * (a.h_cols + kRadix - 1);
   C* w_table = reinterpret_cast<C*>(smem_bytes);
   C* h_table = w_table + w_table_n;
   C* spec = h_table + h_table_n;  // [planes][slice_stride]: the plane's DFT over W, [h, fw]
@@ -241,11 +272,10 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   } else {
     load_planes<T, T>(rows, x, plane_stride, planes, a.h, a.w, row_pitch);
   }
-  // An odd H under radix 2: one zero row, the odd inputs' last.
-  if (a.h_rows_pad > a.h) {
-    for (int i = threadIdx.x; i < planes * a.lwf; i += kThreads) {
-      spec[(i / a.lwf) * a.slice_stride + a.h * a.lwf + i % a.lwf] = C{0, 0};
-    }
+  // H not a multiple of the radix: zero rows, the last sums' missing inputs.
+  const int pad_values = (a.h_rows_pad - a.h) * a.lwf;
+  for (int i = threadIdx.x; i < planes * pad_values; i += kThreads) {
+    spec[(i / pad_values) * a.slice_stride + a.h * a.lwf + i % pad_values] = C{0, 0};
   }
   __syncthreads();
 
@@ -303,51 +333,44 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
     const C* f_row[kFreqTile];
 #pragma unroll
     for (int i = 0; i < kFreqTile; ++i) f_row[i] = h_table + min(j0 + i, a.h_rows - 1) * a.h_cols;
-    C even[kFreqTile][2], odd[kFreqTile][2];
+    C z[2][kFreqTile][kRadix];  // [bin][frequency][sum]
 #pragma unroll
-    for (int i = 0; i < kFreqTile; ++i) {
-      even[i][0] = even[i][1] = odd[i][0] = odd[i][1] = C{0, 0};
-    }
-    const int step = a.radix2 ? 2 : 1;
-    for (int c = 0; c < a.h_cols; ++c) {
-      const C* in_row = in + c * step * a.lwf;
-      const C e0 = in_row[fw_a], e1 = in_row[fw_b];
-      if (a.radix2) {
-        const C o0 = in_row[a.lwf + fw_a], o1 = in_row[a.lwf + fw_b];
+    for (int i = 0; i < kFreqTile; ++i)
 #pragma unroll
-        for (int i = 0; i < kFreqTile; ++i) {
-          const C f = f_row[i][c];
-          add_product(even[i][0], f, e0);
-          add_product(even[i][1], f, e1);
-          add_product(odd[i][0], f, o0);
-          add_product(odd[i][1], f, o1);
-        }
-      } else {
+      for (int c = 0; c < kRadix; ++c) z[0][i][c] = z[1][i][c] = C{0, 0};
+    for (int col = 0; col < a.h_cols; ++col) {
+      C v[2][kRadix];
 #pragma unroll
-        for (int i = 0; i < kFreqTile; ++i) {
-          const C f = f_row[i][c];
-          add_product(even[i][0], f, e0);
-          add_product(even[i][1], f, e1);
+      for (int c = 0; c < kRadix; ++c) {
+        const C* in_row = in + (col * kRadix + c) * a.lwf;
+        v[0][c] = in_row[fw_a];
+        v[1][c] = in_row[fw_b];
+      }
+#pragma unroll
+      for (int i = 0; i < kFreqTile; ++i) {
+        const C f = f_row[i][col];
+#pragma unroll
+        for (int c = 0; c < kRadix; ++c) {
+          add_product(z[0][i][c], f, v[0][c]);
+          add_product(z[1][i][c], f, v[1][c]);
         }
       }
     }
     const int64_t base = ((b * a.d + d) * a.lh) * a.lwf;
+    const C* twiddles = h_table + a.h_rows * a.h_cols;
 #pragma unroll
     for (int i = 0; i < kFreqTile; ++i) {
       const int j = j0 + i;
       if (j >= a.h_rows) continue;
-      const C twiddle = a.radix2 ? h_table[a.h_rows * a.h_cols + j] : C{1, 0};
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int fw = k == 0 ? fw_a : fw_a + half;
         if (fw >= a.lwf) continue;
-        if (a.radix2) {
-          const C o = cmul(twiddle, odd[i][k]);
-          t_out[(base + int64_t(j) * a.lwf + fw) * a.ci + ci0 + plane] = C{even[i][k].x + o.x, even[i][k].y + o.y};
-          t_out[(base + int64_t(j + a.h_rows) * a.lwf + fw) * a.ci + ci0 + plane] =
-              C{even[i][k].x - o.x, even[i][k].y - o.y};
-        } else {
-          t_out[(base + int64_t(j) * a.lwf + fw) * a.ci + ci0 + plane] = even[i][k];
+        C out[kRadix];
+        split_outputs<kRadix>(z[k][i], twiddles, a.h_rows, j, out);
+#pragma unroll
+        for (int m = 0; m < kRadix; ++m) {
+          t_out[(base + int64_t(j + m * a.h_rows) * a.lwf + fw) * a.ci + ci0 + plane] = out[m];
         }
       }
     }
@@ -425,8 +448,8 @@ __global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
 }
 
 template <typename T>
-void launch_plane(const PlaneArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
-  auto kernel = plane_dft_kernel<T>;
+void launch_plane(int64_t radix, const PlaneArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
+  auto kernel = radix == 4 ? plane_dft_kernel<T, 4> : radix == 2 ? plane_dft_kernel<T, 2> : plane_dft_kernel<T, 1>;
   allow_dynamic_smem(kernel, smem);
   kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -470,7 +493,6 @@ PlaneArgs plane_args(const Plan& p, const at::Tensor& tables, const at::Tensor& 
   a.h_rows_pad = static_cast<int>(p.h_rows_pad);
   a.h_rows = static_cast<int>(p.axis_h.rows()), a.h_cols = static_cast<int>(p.axis_h.columns());
   a.slice_stride = static_cast<int>(plane_slice_stride(p.h_rows_pad, p.lwf));
-  a.radix2 = p.axis_h.radix2;
   return a;
 }
 
@@ -486,7 +508,7 @@ DepthArgs depth_args(const Plan& p, const at::Tensor& tables, const at::Tensor& 
   a.d = static_cast<int>(p.d);
   a.rows = static_cast<int>(p.axis_d.rows()), a.cols = static_cast<int>(p.axis_d.columns());
   a.rows_pad = static_cast<int>(p.depth_rows_pad);
-  a.radix2 = p.axis_d.radix2;
+  a.radix2 = p.axis_d.radix2();
   return a;
 }
 
@@ -532,10 +554,10 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
     da.threads = n * columns;
     const int64_t depth_blocks = (da.threads + kThreads - 1) / kThreads;
     if (is_double) {
-      launch_plane<double>(pa, n * p.d * groups, plane_bytes, stream);
+      launch_plane<double>(p.axis_h.radix, pa, n * p.d * groups, plane_bytes, stream);
       launch_depth<double>(p.depth_tile, da, depth_blocks, depth_bytes, stream);
     } else {
-      launch_plane<float>(pa, n * p.d * groups, plane_bytes, stream);
+      launch_plane<float>(p.axis_h.radix, pa, n * p.d * groups, plane_bytes, stream);
       launch_depth<float>(p.depth_tile, da, depth_blocks, depth_bytes, stream);
     }
   }

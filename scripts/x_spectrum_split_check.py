@@ -1,0 +1,67 @@
+"""A numpy model of csrc/cuda/x_spectrum_dft.cu's arithmetic (its tables as build_tables
+lays them out, the H stage's split by a radix of 4, 2 or 1 with split_outputs' butterflies,
+the D stage's radix 2), checked against numpy's rfftn on small shapes, including H not a
+multiple of the radix. It checks the index algebra of the kernels' tables, not the kernels:
+only the CUDA tests on a GPU do that.
+
+    python scripts/x_spectrum_split_check.py
+"""
+import numpy as np
+
+
+def dft_matrix(size, rows, step, cols):
+    r, c = np.arange(rows)[:, None], np.arange(cols)[None, :]
+    return np.exp(-2j * np.pi * ((r * c * step) % size) / size)
+
+
+def axis(grid, inputs, most):
+    radix = 4 if most >= 4 and grid % 4 == 0 else 2 if most >= 2 and grid % 2 == 0 else 1
+    return radix, grid // radix, (inputs + radix - 1) // radix
+
+
+def split_outputs(radix, z, twiddles, rows, j):
+    y = [z[0]] + [twiddles[(c - 1) * rows + j] * z[c] for c in range(1, radix)]
+    if radix == 1:
+        return [y[0]]
+    if radix == 2:
+        return [y[0] + y[1], y[0] - y[1]]
+    s02, d02, s13, d13 = y[0] + y[2], y[0] - y[2], y[1] + y[3], y[1] - y[3]
+    return [s02 + s13, d02 - 1j * d13, s02 - s13, d02 + 1j * d13]
+
+
+def spectrum(x, grid):
+    d, h, w = x.shape
+    ld, lh, lw = grid
+    lwf = lw // 2 + 1
+    plane = (x.reshape(d * h, w) @ dft_matrix(lw, w, 1, lwf)).reshape(d, h, lwf)
+    radix, rows, cols = axis(lh, h, 4)
+    table = dft_matrix(lh, rows, radix, cols)
+    twiddles = dft_matrix(lh, radix, 1, rows)[1:].reshape(-1)
+    padded = np.zeros((d, cols * radix, lwf), complex)
+    padded[:, :h] = plane
+    t = np.zeros((d, lh, lwf), complex)
+    for j in range(rows):
+        z = [np.einsum("c,dcf->df", table[j], padded[:, c::radix]) for c in range(radix)]
+        for m, out in enumerate(split_outputs(radix, z, twiddles, rows, j)):
+            t[:, j + m * rows] = out
+    radix_d, rows_d, cols_d = axis(ld, d, 2)
+    table_d = dft_matrix(ld, rows_d, radix_d, cols_d)
+    t_padded = np.zeros((cols_d * radix_d, lh, lwf), complex)
+    t_padded[:d] = t
+    out = np.zeros((ld, lh, lwf), complex)
+    for j in range(rows_d):
+        z = [np.einsum("c,chf->hf", table_d[j], t_padded[c::radix_d]) for c in range(radix_d)]
+        tw = np.exp(-2j * np.pi * np.arange(1, radix_d)[:, None] * np.arange(rows_d)[None, :] / ld).reshape(-1)
+        for m, o in enumerate(split_outputs(radix_d, z, tw, rows_d, j)):
+            out[j + m * rows_d] = o
+    return out
+
+
+rng = np.random.default_rng(1)
+for shape, grid in [((4, 7, 6), (6, 8, 8)), ((5, 9, 13), (6, 12, 16)), ((3, 5, 4), (5, 9, 7)),
+                    ((2, 6, 5), (4, 10, 9)), ((3, 3, 3), (4, 4, 5)), ((2, 1, 3), (3, 4, 4)),
+                    ((16, 32, 32), (20, 36, 36))]:
+    x = rng.standard_normal(shape)
+    err = np.abs(spectrum(x, grid) - np.fft.rfftn(x, s=grid, axes=(0, 1, 2))).max()
+    print(shape, grid, "H radix", axis(grid[1], shape[1], 4)[0], f"max error {err:.1e}")
+    assert err < 1e-9
