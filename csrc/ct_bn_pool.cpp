@@ -3,7 +3,7 @@
 // mode, then finalize the batch norm and the pool.
 #include "ct_bn_pool.h"
 
-#include "conv_transpose_point.h"
+#include "conv_transpose_row.h"
 #include "validate.h"
 
 namespace fused_ops {
@@ -63,7 +63,7 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
   switch (energy_algo) {
     case EnergyAlgo::Direct:
       in.energy =
-          backend.energy_direct(x.contiguous(), pack_weight_for_direct(weight, g), in.sums, g);
+          backend.energy_direct(x.contiguous(), weight, in.sums, g);
       break;
     case EnergyAlgo::SlicedConv:
       in.energy = energy_sliced_conv(x, weight, g);

@@ -50,8 +50,9 @@ struct Backend {
   // device has a strided read of its layout (README, memory formats).
   SampleSumTensors (*sample_sums)(const at::Tensor& x, const at::Tensor& weight);
   // [B, Co, S] double within-sample centred sums of squares of the conv
-  // output, computed by the direct kernel from x and the packed weight.
-  at::Tensor (*energy_direct)(const at::Tensor& x, const at::Tensor& packed_weight,
+  // output, computed by the direct kernel from x (contiguous) and the weight
+  // (contiguous, x's dtype), which it packs where it needs to.
+  at::Tensor (*energy_direct)(const at::Tensor& x, const at::Tensor& weight,
                               const SampleSumTensors& sums, const ConvGeometry& g);
   // Writes out [B, Co] and, in training, updates the running stats.
   void (*finalize)(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
@@ -123,7 +124,7 @@ void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out
 // Backend::correlation_blocks and Backend::quad_forms with ATen ops (the CPU's).
 at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& phases);
 at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
-// The weight as the direct kernel reads it (see conv_transpose_point.h).
+// The weight as the direct kernel reads it (see conv_transpose_row.h).
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);
 
 at::Tensor ct_bn_pool_forward(const Backend& backend, const at::Tensor& x, const at::Tensor& weight,

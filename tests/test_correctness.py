@@ -118,11 +118,15 @@ def test_large_channel_mean_is_not_cancelled(device):
     # (float64: 66 KiB, past the default 48 KiB limit)
     (Problem(3, 5, 7, (9, 11, 13), (2, 3, 4)), True),
     (Problem(2, 16, 20, (16, 16, 16), (3, 3, 3)), False),  # 256 KiB of x per sample
-], ids=["shared", "global"])
+    # 27 input channels over 8 sets of threads (3 or 4 each), two tiles of output channels
+    # (the second partial), rows of an odd length (the last pair of positions half outside)
+    (Problem(3, 27, 20, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(dilation=(1, 2, 1))), True),
+], ids=["shared", "global", "input-split"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_direct_kernel_stages_what_fits(problem, staged, dtype):
     """csrc/cuda/ct_stats.cu reads x from shared memory where a sample's x and a tile's
-    weights fit there, from global memory elsewhere; both against float64."""
+    weights fit there, from global memory elsewhere, and splits a group's input channels
+    over sets of threads; each against float64."""
     ref, fused = make_models(problem, dtype, "cuda", algo="direct")
     ref.train()
     fused.train()

@@ -9,7 +9,7 @@
 #include <array>
 #include <vector>
 
-#include "conv_transpose_point.h"
+#include "conv_transpose_row.h"
 #include "ct_bn_pool.h"
 
 namespace fused_ops {
@@ -118,9 +118,10 @@ void energy_direct_cpu_kernel(const at::Tensor& x, const at::Tensor& packed, con
       for (int64_t o = 0; o < n_out; ++o) {
         const int64_t ow = o % g.out_size[2], oh = (o / g.out_size[2]) % g.out_size[1],
                       od = o / (g.out_size[2] * g.out_size[1]);
-        acc_t y[CT];
-        conv_transpose_point<CT>(x_group, w_tile, g, co_pad, od, oh, ow, y);
-        for (int j = 0; j < CT; ++j) e[j] += (y[j] - shift[j]) * (y[j] - shift[j]);
+        acc_t y[1][CT];
+        conv_transpose_row<CT, 1, int64_t>(x_group, w_tile, g, co_pad, 0, g.kernel[0] * g.kernel[1], 0,
+                                           g.in_group_channels(), od, oh, ow, y);
+        for (int j = 0; j < CT; ++j) e[j] += (y[0][j] - shift[j]) * (y[0][j] - shift[j]);
       }
       for (int j = 0; j < CT && co0 + j < cog; ++j) {
         ep[b * g.out_channels + group * cog + co0 + j] = static_cast<double>(e[j]);
@@ -129,8 +130,9 @@ void energy_direct_cpu_kernel(const at::Tensor& x, const at::Tensor& packed, con
   });
 }
 
-at::Tensor energy_direct_cpu(const at::Tensor& x, const at::Tensor& packed,
+at::Tensor energy_direct_cpu(const at::Tensor& x, const at::Tensor& weight,
                              const SampleSumTensors& sums, const ConvGeometry& g) {
+  const at::Tensor packed = pack_weight_for_direct(weight, g);
   auto energy = at::empty({g.batch, g.out_channels, 1}, x.options().dtype(at::kDouble));
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "energy_direct_cpu", [&] {
     energy_direct_cpu_kernel<scalar_t>(x, packed, sums.view(g), g, energy);

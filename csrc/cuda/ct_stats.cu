@@ -7,119 +7,227 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cub/block/block_reduce.cuh>
+#include <type_traits>
 
-#include "conv_transpose_point.h"
+#include "conv_transpose_row.h"
 #include "cuda/dynamic_smem.h"
 #include "cuda/kernels.h"
 
 namespace fused_ops {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 512;
 constexpr int CT = kDirectTile;
+// The sum behind each output value (over taps and a group's input channels) is split
+// over up to this many sets of threads, each summing its share of every output value in
+// its block; the shares meet in shared memory before the square. Without the split a
+// small problem has one thread per output position and tile, each a long serial loop
+// over taps and channels: 133 us for the `t8c32` bench problem on 48 blocks
+// (docs/performance.md, 2026-12-01).
+constexpr int kMaxSets = 32;
+constexpr int64_t kStaticSmem = 4 << 10;  // the kernel's shift and per-warp energies
+
+// Adjacent output positions per thread: each x value loaded serves CT channels and each
+// weight loaded serves P positions.
+template <typename acc_t>
+__host__ __device__ constexpr int positions_per_thread() {
+  return sizeof(acc_t) == 4 ? 2 : 1;
+}
+
+// Shared memory of the input-split shares: [split][p][channel][thread of the split],
+// a row padded by one value so that both the writes (threads along a row) and the reads
+// (channels across rows) fall in distinct banks.
+template <typename acc_t>
+__host__ __device__ int64_t share_values(int sets) {
+  const int64_t threads = kThreads / sets;
+  return int64_t(sets) * positions_per_thread<acc_t>() * CT * (threads + 1);
+}
+
+// Where the staged copy of the weight tile starts after x's: 16-byte aligned, for
+// load_tile_weights.
+template <typename scalar_t>
+__host__ __device__ int64_t staged_weight_offset(const ConvGeometry& g) {
+  constexpr int64_t n = 16 / sizeof(scalar_t);
+  return (g.in_group_channels() * g.in_spatial() + n - 1) / n * n;
+}
+
+template <typename scalar_t>
+int64_t direct_smem_bytes(const ConvGeometry& g, int sets, bool staged) {
+  using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
+  int64_t bytes = share_values<acc_t>(sets) * int64_t(sizeof(acc_t));
+  if (staged) {
+    bytes += (staged_weight_offset<scalar_t>(g) + g.in_group_channels() * g.taps() * CT) *
+             int64_t(sizeof(scalar_t));
+  }
+  return bytes;
+}
 
 // Block (unit, split): sample b, one tile of CT channels of one group, and one
-// contiguous range of output positions. Partial energies of the splits share the
-// same shift (the sample mean), so they add up in the finalize step.
+// contiguous range of items, an item being P adjacent positions of an output row.
+// Partial energies of the splits share the same shift (the sample mean), so they add up
+// in the finalize step. Thread (s, t) sums set s's share of taps and input channels for
+// item t of each pass; the sets' shares are added in shared memory, centred and squared
+// there.
 // kStaged: the block first copies the sample's group of x and the tile's weights into
-// shared memory. On small problems each thread gathers only a few output positions,
-// and from global memory every tap waits a full load latency: 69 us for the `odd`
-// bench problem, 33 us staged (docs/performance.md, 2026-11-30 16:05-16:39 UTC).
+// shared memory, where each thread's gathers find them (69 us for the `odd` bench
+// problem from global memory, 33 us staged: docs/performance.md, 2026-11-30 16:05 UTC);
+// `weight` is then the caller's [Ci, Cog, taps], packed here as it is copied (a packing
+// pass before the kernel cost two launches, which small problems feel). Otherwise
+// `weight` is pack_weight_for_direct's [G, Cig, taps, co_pad].
 template <typename scalar_t, bool kStaged>
 __global__ void __launch_bounds__(kThreads)
-    energy_direct_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ packed,
+    energy_direct_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight,
                          const SampleSums sums, const ConvGeometry g, int64_t co_pad,
-                         double* __restrict__ energy) {
+                         int ci_sets, int pair_sets, double* __restrict__ energy) {
   using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
+  using index_t = std::conditional_t<kStaged, int, int64_t>;  // shared memory: offsets fit int
+  constexpr int P = positions_per_thread<acc_t>();
   const int64_t tiles = co_pad / CT, cog = g.out_group_channels(), n_out = g.out_spatial();
+  const int64_t row_items = (g.out_size[2] + P - 1) / P, items = g.out_size[0] * g.out_size[1] * row_items;
   const int64_t unit = blockIdx.x, splits = gridDim.y, split = blockIdx.y;
   const int64_t tile = unit % tiles, group = (unit / tiles) % g.groups, b = unit / (tiles * g.groups);
   const int64_t co0 = tile * CT;
 
+  extern __shared__ __align__(16) unsigned char smem[];
+  acc_t* shares = reinterpret_cast<acc_t*>(smem);
   __shared__ acc_t shift[CT];
+  __shared__ double warp_energy[kThreads / 32][CT];
   if (threadIdx.x < CT) {
     const int64_t co_g = co0 + threadIdx.x;
     shift[threadIdx.x] = co_g < cog ? static_cast<acc_t>(sums.conv_sum(b, group * cog + co_g) / n_out)
                                     : acc_t(0);
   }
-  __syncthreads();
-
   const scalar_t* x_group = x + (b * g.in_channels + group * g.in_group_channels()) * g.in_spatial();
-  const scalar_t* w_tile = packed + group * g.in_group_channels() * g.taps() * co_pad + co0;
-  int64_t w_stride = co_pad;  // between the taps of w_tile
+  const scalar_t* w_tile;  // the tile's first channel
+  int64_t w_stride;        // between the taps of w_tile
   if constexpr (kStaged) {
-    extern __shared__ __align__(16) unsigned char stage_bytes[];
-    scalar_t* x_stage = reinterpret_cast<scalar_t*>(stage_bytes);
-    const int64_t x_count = g.in_group_channels() * g.in_spatial();
-    scalar_t* w_stage = x_stage + x_count;
+    scalar_t* x_stage = reinterpret_cast<scalar_t*>(shares + share_values<acc_t>(ci_sets * pair_sets));
+    const int x_count = static_cast<int>(g.in_group_channels() * g.in_spatial());
+    scalar_t* w_stage = x_stage + staged_weight_offset<scalar_t>(g);
 #pragma unroll 4
-    for (int64_t i = threadIdx.x; i < x_count; i += kThreads) x_stage[i] = x_group[i];
-    const int64_t w_rows = g.in_group_channels() * g.taps();  // (ci, tap) rows of CT weights
+    for (int i = threadIdx.x; i < x_count; i += kThreads) x_stage[i] = x_group[i];
+    // (ci, tap) rows of CT weights, from [Cig, Cog, taps] of the group
+    const int taps = static_cast<int>(g.taps()), w_count = static_cast<int>(g.in_group_channels()) * taps * CT;
+    const scalar_t* w_group = weight + group * g.in_group_channels() * cog * g.taps();
 #pragma unroll 4
-    for (int64_t i = threadIdx.x; i < w_rows * CT; i += kThreads) w_stage[i] = w_tile[(i / CT) * co_pad + i % CT];
-    __syncthreads();
+    for (int i = threadIdx.x; i < w_count; i += kThreads) {
+      const int j = i % CT, ci = i / CT / taps, tap = i / CT % taps;
+      w_stage[i] = co0 + j < cog ? w_group[(ci * cog + co0 + j) * g.taps() + tap] : scalar_t(0);
+    }
     x_group = x_stage;
     w_tile = w_stage;
     w_stride = CT;
+  } else {
+    w_tile = weight + group * g.in_group_channels() * g.taps() * co_pad + co0;
+    w_stride = co_pad;
   }
-  const int64_t begin = n_out * split / splits, end = n_out * (split + 1) / splits;
-  acc_t e[CT];
+  __syncthreads();
+
+  const int sets = ci_sets * pair_sets, threads = kThreads / sets;
+  const int set = threadIdx.x / threads, t = threadIdx.x % threads;
+  const int ci_set = set % ci_sets, pair_set = set / ci_sets;
+  const int64_t cig = g.in_group_channels(), pairs = g.kernel[0] * g.kernel[1];
+  const int64_t ci0 = cig * ci_set / ci_sets, ci1 = cig * (ci_set + 1) / ci_sets;
+  const int64_t pair0 = pairs * pair_set / pair_sets, pair1 = pairs * (pair_set + 1) / pair_sets;
+  const int64_t begin = items * split / splits, end = items * (split + 1) / splits;
+  const int row = threads + 1;  // of `shares`
+  const int channel = threadIdx.x % CT;  // whose energy this thread sums
+  double e = 0;
+  for (int64_t first = begin; first < end; first += threads) {
+    acc_t y[P][CT];
+    const int64_t item = first + t;
+    if (item < end) {
+      const int64_t ow0 = item % row_items * P, oh = item / row_items % g.out_size[1],
+                    od = item / (row_items * g.out_size[1]);
+      conv_transpose_row<CT, P, index_t>(x_group, w_tile, g, w_stride, pair0, pair1, ci0, ci1, od, oh, ow0, y);
+    } else {
 #pragma unroll
-  for (int j = 0; j < CT; ++j) e[j] = acc_t(0);
-  for (int64_t o = begin + threadIdx.x; o < end; o += kThreads) {
-    const int64_t ow = o % g.out_size[2], oh = (o / g.out_size[2]) % g.out_size[1],
-                  od = o / (g.out_size[2] * g.out_size[1]);
-    acc_t y[CT];
-    conv_transpose_point<CT>(x_group, w_tile, g, w_stride, od, oh, ow, y);
+      for (int p = 0; p < P; ++p)
 #pragma unroll
-    for (int j = 0; j < CT; ++j) {
-      const acc_t d = y[j] - shift[j];
-      e[j] += d * d;
+        for (int j = 0; j < CT; ++j) y[p][j] = acc_t(0);
     }
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+#pragma unroll
+      for (int j = 0; j < CT; ++j) shares[((set * P + p) * CT + j) * row + t] = y[p][j];
+    __syncthreads();
+    // Slot s: position p = s / threads of item first + s % threads, for this thread's channel.
+    for (int s = threadIdx.x / CT; s < P * threads; s += kThreads / CT) {
+      const int p = s / threads, u = s % threads;
+      const int64_t item_s = first + u;
+      if (item_s >= end || item_s % row_items * P + p >= g.out_size[2]) continue;
+      acc_t total = 0;
+      for (int k = 0; k < sets; ++k) total += shares[((k * P + p) * CT + channel) * row + u];
+      const acc_t d = total - shift[channel];
+      e += static_cast<double>(d) * static_cast<double>(d);
+    }
+    __syncthreads();  // the shares are rewritten by the next pass
   }
 
-  using BlockReduce = cub::BlockReduce<acc_t, kThreads>;
-  __shared__ typename BlockReduce::TempStorage tmp;
+  // Threads of one channel: lanes l and l + 16 of every warp (kThreads is a multiple of CT).
+  static_assert(CT == 16 && kThreads % 32 == 0, "the reduction pairs lanes 16 apart");
+  e += __shfl_xor_sync(0xffffffffu, e, 16);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 < CT) warp_energy[warp][channel] = e;
+  __syncthreads();
+  if (threadIdx.x < CT && co0 + threadIdx.x < cog) {
+    double total = 0;
 #pragma unroll
-  for (int j = 0; j < CT; ++j) {
-    const acc_t total = BlockReduce(tmp).Sum(e[j]);
-    if (threadIdx.x == 0 && co0 + j < cog) {
-      energy[(b * g.out_channels + group * cog + co0 + j) * splits + split] = total;
-    }
-    __syncthreads();  // tmp is reused
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_energy[w][threadIdx.x];
+    energy[(b * g.out_channels + group * cog + co0 + threadIdx.x) * splits + split] = total;
   }
 }
 
-int64_t direct_stage_bytes(const ConvGeometry& g, int64_t element_size) {
-  return (g.in_spatial() + g.taps() * CT) * g.in_group_channels() * element_size;
+// Sets of threads per block: the largest power of two (up to kMaxSets) that keeps
+// units * items * sets, the threads with work, within one block of kThreads per
+// multiprocessor; the input channels are split first (their shares cost no index
+// arithmetic), then the (kd, kh) pairs of taps.
+struct Sets {
+  int ci = 1, pairs = 1;
+};
+Sets sets_for(const ConvGeometry& g, int64_t units, int64_t items, int64_t sms) {
+  const double target = double(sms) * kThreads / (double(units) * double(items));
+  int total = 1;
+  while (total * 2 <= kMaxSets && total * 2 <= target) total *= 2;
+  Sets s;
+  while (s.ci * 2 <= total && s.ci * 2 <= g.in_group_channels()) s.ci *= 2;
+  while (s.ci * s.pairs * 2 <= total && s.pairs * 2 <= g.kernel[0] * g.kernel[1]) s.pairs *= 2;
+  return s;
 }
 
 }  // namespace
 
-at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& packed,
+at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& weight,
                               const SampleSumTensors& sums, const ConvGeometry& g) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t co_pad = packed.size(3), units = g.batch * g.groups * (co_pad / CT);
+  const int64_t co_pad = (g.out_group_channels() + CT - 1) / CT * CT, units = g.batch * g.groups * (co_pad / CT);
   TORCH_CHECK(units < (int64_t(1) << 31), "ct_bn_pool: problem too large for the direct kernel");
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  // Split the output positions until there are a few blocks per multiprocessor.
-  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(65535, g.out_spatial() / kThreads));
-  const int64_t splits = std::min(max_splits, std::max<int64_t>(1, (4 * sms + units - 1) / units));
-  auto energy = at::empty({g.batch, g.out_channels, splits}, x.options().dtype(at::kDouble));
-  const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(splits));
-  const int64_t stage_need = direct_stage_bytes(g, x.element_size());
-  const bool staged = stage_need <= dynamic_smem_limit();
-  const size_t stage_bytes = staged ? static_cast<size_t>(stage_need) : 0;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "energy_direct_cuda", [&] {
+  return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "energy_direct_cuda", [&] {
+    using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
+    constexpr int P = positions_per_thread<acc_t>();
+    const int64_t items = g.out_size[0] * g.out_size[1] * ((g.out_size[2] + P - 1) / P);
+    const Sets sets = sets_for(g, units, items, sms);
+    const int64_t threads = kThreads / (sets.ci * sets.pairs);
+    // Split the items until there are two blocks per multiprocessor, each with at least
+    // one item per thread.
+    const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(65535, (items + threads - 1) / threads));
+    const int64_t splits = std::min(max_splits, std::max<int64_t>(1, (2 * sms + units - 1) / units));
+    auto energy = at::empty({g.batch, g.out_channels, splits}, x.options().dtype(at::kDouble));
+    const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(splits));
+    // (the limit holds the static shared memory too: kStaticSmem bounds it)
+    const bool staged = direct_smem_bytes<scalar_t>(g, sets.ci * sets.pairs, true) <= dynamic_smem_limit() - kStaticSmem;
+    const int64_t smem = direct_smem_bytes<scalar_t>(g, sets.ci * sets.pairs, staged);
     auto kernel = staged ? energy_direct_kernel<scalar_t, true> : energy_direct_kernel<scalar_t, false>;
-    allow_dynamic_smem(kernel, static_cast<int64_t>(stage_bytes));
-    kernel<<<grid, kThreads, stage_bytes, stream>>>(x.data_ptr<scalar_t>(), packed.data_ptr<scalar_t>(),
-                                                    sums.view(g), g, co_pad, energy.data_ptr<double>());
+    const at::Tensor w = staged ? weight : pack_weight_for_direct(weight, g);
+    allow_dynamic_smem(kernel, smem);
+    kernel<<<grid, kThreads, static_cast<size_t>(smem), stream>>>(
+        x.data_ptr<scalar_t>(), w.data_ptr<scalar_t>(), sums.view(g), g, co_pad, sets.ci, sets.pairs,
+        energy.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return energy;
   });
-  return energy;
 }
 
 }  // namespace fused_ops

@@ -41,7 +41,7 @@ KernelFootprint eval_finalize_footprint(at::ScalarType weight_dtype);
 // Eval mode's finalize after sample_sums_x_only_cuda: in.weight (contiguous) is summed
 // here, before the kernel waits for the x pass.
 void eval_finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
-at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& packed_weight,
+at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& weight,
                               const SampleSumTensors& sums, const ConvGeometry& g);
 void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
 // Backend::cross_spectrum_rows (docs/math.md §3.5): cross_spectrum.cu, one block per
