@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "conv_transpose_row.h"
 #include "cuda/fft_energy.h"
 #include "cuda/kernels.h"
 #include "phases.h"
@@ -114,16 +115,32 @@ bool cross_spectrum_beats_fft(const ConvGeometry& g) {
          cross_spectrum_lag_bytes(g) <= kMaxLagBytes;
 }
 
+// Multiply-adds of the direct kernel: every tap at every output position, for the output
+// channels rounded up to its tiles (at stride 1 every tap of an interior position lands).
+double direct_work(const ConvGeometry& g) {
+  const int64_t co_pad = (g.out_group_channels() + kDirectTile - 1) / kDirectTile * kDirectTile;
+  return static_cast<double>(g.batch * g.groups * co_pad) * static_cast<double>(g.out_spatial()) *
+         static_cast<double>(g.in_group_channels() * g.taps());
+}
+
+// Below this work the direct kernel's one launch beats the FFT path's chain of seven
+// (docs/performance.md, 2026-12-01 00:0x UTC runs: odd 5.2e6 multiply-adds, direct 0.025 ms
+// against fft 0.037 and eager 0.028; t8 5.5e7, 0.041 against 0.044; t8c32 2.2e8, 0.059
+// against 0.054).
+constexpr double kDirectMaxWork = 1e8;
+
 // docs/performance.md, training rows of 2026-11-30: with a stride (padding 0) the lags
 // of the phases beat Parseval per phase, cuDNN and eager (st2: cross_spectrum 0.38 ms,
 // fft 0.88, eager 0.43), and with one lag the Gram matrix's single GEMM beats the
-// spectrum (up2: correlation 0.23 ms, cross_spectrum 0.34, eager 0.25). At stride 1
-// the FFT path where it applies, or the cross-spectrum where cross_spectrum_beats_fft;
-// elsewhere cuDNN (strict float32) over batch slices.
+// spectrum (up2: correlation 0.23 ms, cross_spectrum 0.34, eager 0.25). Elsewhere the
+// direct kernel on small problems (kDirectMaxWork); then, at stride 1, the FFT path where
+// it applies, or the cross-spectrum where cross_spectrum_beats_fft; elsewhere cuDNN
+// (strict float32) over batch slices.
 EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   if (!g.has_padding() && phase_count(g) > 1) {
     return single_lag(g) ? EnergyAlgo::Correlation : EnergyAlgo::CrossSpectrum;
   }
+  if (direct_work(g) <= kDirectMaxWork) return EnergyAlgo::Direct;
   if (!fft_applies_cuda(g, dtype)) return EnergyAlgo::SlicedConv;
   return cross_spectrum_beats_fft(g) ? EnergyAlgo::CrossSpectrum : EnergyAlgo::Fft;
 }
