@@ -41,6 +41,8 @@ CUDA_PROBLEMS = {
     "odd": (3, 5, 7, 9, 11, 13, (2, 3, 4)),
     "t8": (8, 16, 16, 8, 8, 8, 3),    # small problems between odd and s8, where launch
     "t8c32": (8, 32, 32, 8, 8, 8, 3),  # latency rather than work decides
+    "t8c64": (8, 64, 64, 8, 8, 8, 3),  # and two more between t8c32 and s8, where the direct
+    "t8k5": (8, 32, 32, 8, 8, 8, 5),   # kernel and the FFT path cross (the CUDA auto rule)
     "st2": (8, 32, 64, 16, 16, 16, 4),
     "up2": (8, 64, 32, 16, 16, 16, 2),  # a decoder's upsampling: kernel = stride
 }

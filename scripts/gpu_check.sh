@@ -94,13 +94,13 @@ if want bench-train; then
   step bench-train
   # The stride-1 sweep in training with the FFT and cross-spectrum paths (the auto rule
   # for stride 1 rests on this; docs/performance.md).
-  run_bench bench-train 36 --problems seed,b4,b64,c16,c128,s8,s32,k3,odd,t8,t8c32 --modes train --no-compile --algos auto,fft,cross_spectrum --out "$OUT/train"
+  run_bench bench-train 42 --problems seed,b4,b64,c16,c128,s8,s32,k3,odd,t8,t8c32,t8c64,t8k5 --modes train --no-compile --algos auto,fft,cross_spectrum --out "$OUT/train"
 fi
 if want bench-small; then
   step bench-small
   # The smaller stride-1 problems in training with every algorithm, direct and cuDNN over
   # slices included: where launch latency, not work, decides (the auto rule for them).
-  run_bench bench-small 34 --problems odd,t8,t8c32,s8,c16,b4 --modes train --no-compile --algos auto,fft,cross_spectrum,direct,sliced_conv --out "$OUT/small"
+  run_bench bench-small 44 --problems odd,t8,t8c32,t8c64,t8k5,s8,c16,b4 --modes train --no-compile --algos auto,fft,cross_spectrum,direct,sliced_conv --out "$OUT/small"
 fi
 if want bench-eval; then
   step bench-eval
