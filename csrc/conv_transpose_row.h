@@ -30,7 +30,7 @@ FO_UNROLL
       const uint4 raw = reinterpret_cast<const uint4*>(w)[k];
       memcpy(&v[k * n], &raw, 16);
     }
-  } else  // NOLINT(readability/braces): the host's loop serves as the device's fallback
+  } else  // the host's loop below is also the device's for other sizes
 #endif
   {
 FO_UNROLL

@@ -34,7 +34,7 @@ __host__ __device__ constexpr int positions_per_thread() {
   return sizeof(acc_t) == 4 ? 2 : 1;
 }
 
-// Shared memory of the input-split shares: [split][p][channel][thread of the split],
+// Shared memory of the sets' shares: [set][p][channel][thread of the set],
 // a row padded by one value so that both the writes (threads along a row) and the reads
 // (channels across rows) fall in distinct banks.
 template <typename acc_t>
@@ -165,6 +165,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // Threads of one channel: lanes l and l + 16 of every warp (kThreads is a multiple of CT).
+  // Each thread holds one channel's sum, so one shuffle and a table of the warps' sums
+  // replace the CT block-wide reductions (CT barriers) that a reduction per channel costs.
   static_assert(CT == 16 && kThreads % 32 == 0, "the reduction pairs lanes 16 apart");
   e += __shfl_xor_sync(0xffffffffu, e, 16);
   const int warp = threadIdx.x / 32;
