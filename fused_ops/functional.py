@@ -67,8 +67,10 @@ def ct_bn_pool(
         groups: ConvTranspose3d groups.
         algo: how training mode gets the per-channel variance (``docs/math.md`` §3):
             ``"auto"`` (default: on CUDA, with a stride and padding 0, ``"cross_spectrum"``,
-            or ``"correlation"`` where every stride phase has one tap; otherwise ``"fft"``
-            where it applies, else ``"sliced_conv"``;
+            or ``"correlation"`` where every stride phase has one tap; otherwise ``"direct"``
+            where the convolution is under 1e8 multiply-adds, then ``"fft"`` where it applies
+            (``"cross_spectrum"`` there where its work is the smaller and reaches 4e8
+            multiply-adds), else ``"sliced_conv"``;
             on the CPU ``"correlation"`` where it costs under a third of the convolution,
             else ``"sliced_conv"``; ``docs/performance.md`` says why), ``"fft"`` (CUDA, float32, float16 or bfloat16,
             padding 0, any stride, dilation and output_padding: Parseval on the spectra of x
