@@ -4,7 +4,7 @@
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
 #                        [backward] [memory-format] [eval-variants] [x-read-variants] [bench-strided]
-#                        [bench-train] [bench-eval] [bench-small] [wall]
+#                        [bench-train] [bench-eval] [bench-small] [wall] [ncu-cross]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes);
 # PYTEST_K="expr" passes -k expr to pytest (say, "not cpu" to leave the CPU-parametrized
@@ -78,6 +78,20 @@ if want ncu; then
       --section MemoryWorkloadAnalysis python3 "$REPO/scripts/profile_seed.py" "$mode" "$layout") \
       >"$OUT/ncu-$k.log" 2>&1 || status=1
     grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Compute \(SM\) Throughput|Memory Throughput|Local|Stall|Block Limit|Dynamic Shared" "$OUT/ncu-$k.log" | head -24
+  done
+fi
+if want ncu-cross; then
+  step ncu-cross
+  # The seed call's largest kernels on the cross-spectrum path (docs/performance.md: W stage,
+  # x's plane DFT, H stage) and t8c32's direct kernel: where their warps stall, instruction
+  # mix, and the source lines that stall most (the next tuning starts from these).
+  for k in cross_spectrum_kernel plane_dft_kernel lag_stage_kernel energy_direct_kernel; do
+    args=(train contiguous cross_spectrum); [[ $k == energy_direct_kernel ]] && args=(train contiguous direct --problem t8c32)
+    (cd /tmp && timeout 150 ncu --kernel-name "regex:$k" --launch-skip 3 --launch-count 1 --import-source yes \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section InstructionStats --section SourceCounters \
+      python3 "$REPO/scripts/profile_seed.py" "${args[@]}") >"$OUT/ncu-$k.log" 2>&1 || status=1
+    grep -E "Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Issued Ipc|Warp Cycles Per Issued|Stall|Block Limit" "$OUT/ncu-$k.log" | head -20
   done
 fi
 if want bench; then
