@@ -22,7 +22,7 @@ for training in (False, True):
 # The direct kernel from global memory: 256 KiB of x per sample, past what it stages
 # in shared memory (the cases above are staged).
 run(1, 8, 4, (16, 16, 16), 2, True, "direct", torch.float64)
-# Input channels over 8 sets of threads and (kd, kh) pairs over 2, rows of odd length.
+# Input channels over 16 sets of threads and (kd, kh) pairs over 2 (132 SMs), rows of odd length.
 for dtype in (torch.float32, torch.float64):
     run(1, 27, 20, (5, 6, 7), 3, True, "direct", dtype, dilation=(1, 2, 1))
 for conv in ({}, {"groups": 2, "dilation": (2, 1, 1)}):
