@@ -118,8 +118,8 @@ def test_large_channel_mean_is_not_cancelled(device):
     # (float64: 66 KiB, past the default 48 KiB limit)
     (Problem(3, 5, 7, (9, 11, 13), (2, 3, 4)), True),
     (Problem(2, 16, 20, (16, 16, 16), (3, 3, 3)), False),  # 256 KiB of x per sample
-    # 27 input channels over 16 sets of threads (1 or 2 each) and the 9 (kd, kh) pairs over 2
-    # (on an H200's 132 SMs), two tiles of output channels
+    # 27 input channels over 16 sets of threads (1 or 2 each), and in float32 the 9 (kd, kh)
+    # pairs over 2 (on an H200's 132 SMs), two tiles of output channels
     # (the second partial), rows of an odd length (the last pair of positions half outside)
     (Problem(3, 27, 20, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(dilation=(1, 2, 1))), True),
 ], ids=["shared", "global", "input-split"])
