@@ -45,10 +45,20 @@ CUDA_PROBLEMS = {
     "t8k5": (8, 32, 32, 8, 8, 8, 5),   # kernel and the FFT path cross (the CUDA auto rule)
     "st2": (8, 32, 64, 16, 16, 16, 4),
     "up2": (8, 64, 32, 16, 16, 16, 2),  # a decoder's upsampling: kernel = stride
+    "pad2": (16, 64, 128, 16, 32, 32, 5),  # the seed problem with padding 2 (same-size output)
+    "t8pad1": (8, 32, 32, 8, 8, 8, 3),     # t8c32 with padding 1
 }
 # ConvTranspose3d stride of the problems that have one (else 1): the phases of the FFT and
 # correlation paths (docs/math.md §3.3.1, §3.4).
 STRIDES = {"st2": 2, "up2": 2, "cpu_st2": 2, "cpu_up2": 2}
+# ConvTranspose3d padding of the problems that have one (else 0): configurations the FFT,
+# correlation and cross-spectrum paths do not cover (`auto`: direct or sliced_conv).
+PADDINGS = {"pad2": 2, "t8pad1": 1}
+
+
+def conv_options(name):
+    """The stride and padding of a bench problem."""
+    return dict(stride=STRIDES.get(name, 1), padding=PADDINGS.get(name, 0))
 CPU_PROBLEMS = {
     "cpu_small": (4, 16, 32, 8, 16, 16, 3),
     "cpu_mid": (8, 32, 64, 8, 16, 16, 5),
@@ -76,9 +86,9 @@ class Reference(nn.Module):
     """The unfused pattern that fused_ops.ConvTransposeBNPool3d replaces."""
 
     def __init__(self, in_channels, out_channels, kernel_size, scale_factor, eps=1e-5, momentum=0.1,
-                 stride=1):
+                 stride=1, padding=0):
         super().__init__()
-        self.conv_transpose = nn.ConvTranspose3d(in_channels, out_channels, kernel_size, stride)
+        self.conv_transpose = nn.ConvTranspose3d(in_channels, out_channels, kernel_size, stride, padding)
         self.scale_factor = scale_factor
         self.batch_norm = nn.BatchNorm3d(out_channels, eps=eps, momentum=momentum)
         self.global_avg_pool = nn.AdaptiveAvgPool3d((1, 1, 1))
@@ -257,17 +267,17 @@ def one_call(module: nn.Module, x: torch.Tensor, dtype=None):
     return module(x), module.batch_norm.running_var.clone()
 
 
-def build_modules(dims, device, stride=1):
+def build_modules(dims, device, stride=1, padding=0):
     """The reference (default init) and the fused module loaded with its state_dict."""
     _, ci, co, _, _, _, k = dims
-    ref = Reference(ci, co, k, SCALE, stride=stride).to(device)
+    ref = Reference(ci, co, k, SCALE, stride=stride, padding=padding).to(device)
     bn = ref.batch_norm
     # Non-trivial BatchNorm state, so eval mode does not just see mean 0 / var 1. The bias
     # stays 0: a constant added exactly to every output would dilute the relative error.
     bn.weight.data.uniform_(0.5, 1.5)
     bn.running_mean.normal_(0.0, 0.1)
     bn.running_var.uniform_(0.5, 1.5)
-    fused = fused_ops.ConvTransposeBNPool3d(ci, co, k, SCALE, stride=stride).to(device)
+    fused = fused_ops.ConvTransposeBNPool3d(ci, co, k, SCALE, stride=stride, padding=padding).to(device)
     fused.load_state_dict(ref.state_dict())
     return ref, fused
 
@@ -326,7 +336,7 @@ ROW_KEYS = ("eager_ms", "compile_ms", "fused_ms", "speedup", "host_us", "relerr_
 
 
 def new_row(name, dims, mode, algo, meta) -> dict:
-    row = {"shape": name, "dims": dict(zip(DIM_NAMES, dims), stride=STRIDES.get(name, 1)),
+    row = {"shape": name, "dims": dict(zip(DIM_NAMES, dims), **conv_options(name)),
            "scale": SCALE, "dtype": "float32",
            "mode": mode, "algo": algo}
     row.update(dict.fromkeys(ROW_KEYS))
@@ -347,7 +357,7 @@ class Setup(NamedTuple):
 def setup_problem(name, dims, args) -> Setup:
     batch, ci, _, d, h, w, _ = dims
     shape = (batch, ci, d, h, w)
-    ref, fused = build_modules(dims, args.device, STRIDES.get(name, 1))
+    ref, fused = build_modules(dims, args.device, **conv_options(name))
     l2_bytes = 0
     if args.device == "cuda":
         l2_bytes = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or L2_FALLBACK_BYTES

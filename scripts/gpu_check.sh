@@ -4,7 +4,7 @@
 # the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
 #                        [backward] [memory-format] [eval-variants] [x-read-variants] [bench-strided]
-#                        [bench-train] [bench-eval] [bench-small] [wall] [ncu-cross]
+#                        [bench-train] [bench-eval] [bench-small] [bench-padded] [wall] [ncu-cross]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes);
 # PYTEST_K="expr" passes -k expr to pytest (say, "not cpu" to leave the CPU-parametrized
@@ -115,6 +115,12 @@ if want bench-small; then
   # The smaller stride-1 problems in training with every algorithm, direct and cuDNN over
   # slices included: where launch latency, not work, decides (the auto rule for them).
   run_bench bench-small 44 --problems odd,t8,t8c32,t8c64,t8k5,s8,c16,b4 --modes train --no-compile --algos auto,fft,cross_spectrum,direct,sliced_conv --out "$OUT/small"
+fi
+if want bench-padded; then
+  step bench-padded
+  # Padding > 0, which the FFT, correlation and cross-spectrum paths do not cover: issue #4
+  # asks for training there too to be at least as fast as eager, with less memory.
+  run_bench bench-padded 12 --problems pad2,t8pad1 --modes train --no-compile --algos auto,direct,sliced_conv --out "$OUT/padded"
 fi
 if want bench-eval; then
   step bench-eval

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 import fused_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from bench_ct_bn_pool import CUDA_PROBLEMS, STRIDES  # noqa: E402
+from bench_ct_bn_pool import CUDA_PROBLEMS, conv_options  # noqa: E402
 
 argv = sys.argv[:]
 problem = "seed"
@@ -37,7 +37,7 @@ memory_format = {"contiguous": torch.contiguous_format,
 algo = sys.argv[3] if len(sys.argv) > 3 else "auto"
 host = len(sys.argv) > 4 and sys.argv[4] == "host"
 wall = len(sys.argv) > 4 and sys.argv[4] == "wall"
-m = fused_ops.ConvTransposeBNPool3d(c_in, c_out, kernel, 2.0, stride=STRIDES.get(problem, 1),
+m = fused_ops.ConvTransposeBNPool3d(c_in, c_out, kernel, 2.0, **conv_options(problem),
                                     algo=algo).cuda().train(mode == "train")
 xs = [torch.randn(batch, c_in, *size, device="cuda").contiguous(memory_format=memory_format)
       for _ in range(6)]
