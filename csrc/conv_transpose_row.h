@@ -15,6 +15,9 @@ constexpr int kDirectTile = 16;
 // The direct kernel reads the weight packed as [G, Cig, taps, co_pad] (co_pad:
 // Cog rounded up to a multiple of kDirectTile, zero-filled), so the channels of
 // a tile are contiguous; see pack_weight_for_direct().
+inline int64_t direct_co_pad(const ConvGeometry& g) {
+  return (g.out_group_channels() + kDirectTile - 1) / kDirectTile * kDirectTile;
+}
 
 // The CT weights of one (ci, tap) of a tile. On CUDA as 16-byte loads: a tile's
 // rows start a multiple of kDirectTile values from a 16-byte aligned base (the packed

@@ -22,7 +22,7 @@ SampleSums SampleSumTensors::view(const ConvGeometry& g) const {
 
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g) {
   const int64_t cog = g.out_group_channels();
-  const int64_t co_pad = (cog + kDirectTile - 1) / kDirectTile * kDirectTile;
+  const int64_t co_pad = direct_co_pad(g);
   auto w = weight.reshape({g.groups, g.in_group_channels(), cog, g.taps()}).transpose(2, 3);
   return at::constant_pad_nd(w, {0, co_pad - cog}).contiguous();
 }

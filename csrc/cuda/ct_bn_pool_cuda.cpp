@@ -118,8 +118,7 @@ bool cross_spectrum_beats_fft(const ConvGeometry& g) {
 // Multiply-adds of the direct kernel: every tap at every output position, for the output
 // channels rounded up to its tiles (at stride 1 every tap of an interior position lands).
 double direct_work(const ConvGeometry& g) {
-  const int64_t co_pad = (g.out_group_channels() + kDirectTile - 1) / kDirectTile * kDirectTile;
-  return static_cast<double>(g.batch * g.groups * co_pad) * static_cast<double>(g.out_spatial()) *
+  return static_cast<double>(g.batch * g.groups * direct_co_pad(g)) * static_cast<double>(g.out_spatial()) *
          static_cast<double>(g.in_group_channels() * g.taps());
 }
 

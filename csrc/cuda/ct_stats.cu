@@ -202,7 +202,7 @@ Sets sets_for(const ConvGeometry& g, int64_t units, int64_t items, int64_t sms) 
 at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& weight,
                               const SampleSumTensors& sums, const ConvGeometry& g) {
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t co_pad = (g.out_group_channels() + CT - 1) / CT * CT, units = g.batch * g.groups * (co_pad / CT);
+  const int64_t co_pad = direct_co_pad(g), units = g.batch * g.groups * (co_pad / CT);
   TORCH_CHECK(units < (int64_t(1) << 31), "ct_bn_pool: problem too large for the direct kernel");
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const auto stream = at::cuda::getCurrentCUDAStream();
