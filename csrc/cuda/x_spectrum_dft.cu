@@ -126,12 +126,15 @@ at::Tensor dft_matrix(int64_t size, int64_t rows, int64_t step, int64_t cols, co
   return unit_roots(size, rows, step, at::arange(cols, opts.dtype(at::kLong)), -1.0);
 }
 
-// The matrix of `axis` [rows, cols] with its twiddles [R - 1, rows] appended, flat.
+// The twiddles of a split `axis` (radix R > 1), flat [R - 1, rows]: exp(-2 pi i c j / L).
+at::Tensor axis_twiddles(const AxisDft& axis, const at::TensorOptions& opts) {
+  return dft_matrix(axis.grid, axis.radix, 1, axis.rows(), opts).narrow(0, 1, axis.radix - 1).reshape(-1);
+}
+
+// The matrix of `axis` [rows, cols] with its twiddles appended, flat.
 at::Tensor axis_table(const AxisDft& axis, const at::TensorOptions& opts) {
   std::vector<at::Tensor> parts = {dft_matrix(axis.grid, axis.rows(), axis.radix, axis.columns(), opts).reshape(-1)};
-  if (axis.radix > 1) {
-    parts.push_back(dft_matrix(axis.grid, axis.radix, 1, axis.rows(), opts).narrow(0, 1, axis.radix - 1).reshape(-1));
-  }
+  if (axis.radix > 1) parts.push_back(axis_twiddles(axis, opts));
   return at::cat(parts);
 }
 
@@ -183,7 +186,7 @@ at::Tensor build_tables(const Plan& p, const at::TensorOptions& opts, at::Scalar
                                                            .t(),
                                                        {0, pad})
                                        .reshape(-1)};
-  if (p.axis_d.radix2()) parts.push_back(at::constant_pad_nd(dft_matrix(p.ld, p.axis_d.rows(), 1, 2, opts).select(1, 1), {0, pad}));
+  if (p.axis_d.radix2()) parts.push_back(at::constant_pad_nd(axis_twiddles(p.axis_d, opts), {0, pad}));
   const at::Tensor tables = at::cat(parts).to(complex);
   TORCH_INTERNAL_ASSERT(tables.numel() == p.d_off + p.d_table());
   return tables;
