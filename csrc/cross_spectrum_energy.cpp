@@ -29,8 +29,14 @@ constexpr int64_t kMinChunkBytes = int64_t(8) << 20;
 constexpr int64_t kMaxRowsBytes = int64_t(48) << 20;
 constexpr int64_t kMaxWeightBytes = int64_t(32) << 20;
 // The H stage's output kept for one D stage over every depth frequency, where it is at most
-// this large (seed: 59 MB): per chunk, the D stage read and wrote Z^ (26.5 MB) each time.
+// this large (seed: 59 MB) and no larger than x's spectrum: per chunk, the D stage read and
+// wrote Z^ (26.5 MB) each time. The output's size does not depend on the batch, so on a
+// small batch it outweighed the rest of the call (b4: peak 159.0 MiB kept, 102.7 per chunk,
+// eager 121.2; docs/performance.md, 2026-12-01 00:19 UTC).
 constexpr int64_t kMaxDeferredBytes = int64_t(64) << 20;
+bool keep_h_stage_output(int64_t chunks, int64_t bytes, const at::Tensor& x_spec) {
+  return chunks == 1 || bytes <= std::min(kMaxDeferredBytes, x_spec.numel() * x_spec.element_size());
+}
 int64_t chunk_budget(const at::Tensor& x_spec, int64_t share, int64_t max_bytes) {
   return std::clamp<int64_t>(x_spec.numel() * x_spec.element_size() / share, kMinChunkBytes, max_bytes);
 }
@@ -139,7 +145,7 @@ Tables tables_for(const Backend& backend, const ConvGeometry& g, const ConvGeome
 // double (§3.5). The backend's W stage runs for a chunk of depth frequencies at a
 // time and its H stage on that chunk; its D stage takes the H stage's output to Z^, already
 // at the bins g_d, g_h of M and the lags m_w >= 0: once over every depth frequency where
-// that output fits in kMaxDeferredBytes, else per chunk, adding the chunk's terms to Z^.
+// that output may be kept (keep_h_stage_output), else per chunk, adding the chunk's terms to Z^.
 at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec, const int64_t grid[3],
                                 const Tables& tables, int64_t groups) {
   const int64_t cig = x_spec.size(4) / groups, entries = groups * cig * cig;
@@ -150,7 +156,7 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   // Balanced chunks, no small last one (seed: 7, 7 and 6 depth frequencies, not 8, 8 and 4):
   // the same GPU time, 8 MiB less peak memory (docs/performance.md, 22:48-22:54 UTC runs).
   const int64_t chunks = (grid[0] + most - 1) / most, chunk = (grid[0] + chunks - 1) / chunks;
-  const bool deferred = chunks == 1 || grid[0] * mh * columns * coef_h.element_size() <= kMaxDeferredBytes;
+  const bool deferred = keep_h_stage_output(chunks, grid[0] * mh * columns * coef_h.element_size(), x_spec);
   const at::Tensor p_all = deferred ? at::empty({grid[0], mh, columns}, coef_h.options()) : at::Tensor();
   at::Tensor r = deferred ? at::empty({1, md, mh * columns}, coef_d.options())
                           : at::zeros({1, md, mh * columns}, coef_d.options());

@@ -199,6 +199,29 @@ def test_auto_on_cuda_at_stride_1_weighs_the_cross_spectrum(batch, size, expecte
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch, d_stages", [(8, 1), (1, 14)], ids=["kept", "per-chunk"])
+def test_cross_spectrum_keeps_the_h_stage_output_where_x_spectrum_is_larger(batch, d_stages):
+    """csrc/cross_spectrum_energy.cpp: over 42 depth frequencies in chunks, the H stage's
+    output (41 MB here, whatever the batch) is kept for one D stage where x's spectrum is
+    at least as large (batch 8: 45 MB, 2 chunks), else the D stage runs per chunk (batch 1:
+    5.7 MB, 14 chunks). Both against float64."""
+    p = Problem(batch, 64, 8, (40, 20, 20), (3, 3, 3))
+    ref, fused = make_models(p, torch.float32, "cuda", algo="cross_spectrum")
+    ref.train()
+    fused.train()
+    x = make_input(p, torch.float32, "cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fused(x)
+        torch.cuda.synchronize()
+    # the D stage is the lag stage over float64 sums (the H stage's input is x's dtype)
+    assert sum("lag_stage_kernel<double2" in e.name for e in prof.events()) == d_stages
+    with torch.no_grad():
+        assert relerr(out, ref(x.double().cpu())) <= 1e-6
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("algo", ALGOS)
 def test_no_host_sync_on_cuda(algo):
     """Every table (phases, lags, sub-kernels) is built on the device: nothing waits."""
