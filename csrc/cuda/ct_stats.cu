@@ -62,18 +62,93 @@ int64_t direct_smem_bytes(const ConvGeometry& g, int sets, bool staged) {
   return bytes;
 }
 
+// What a block's threads gather from: x of the sample's group and the tile's weights,
+// whose taps lie w_stride apart.
+template <typename scalar_t>
+struct Operands {
+  const scalar_t* x;
+  const scalar_t* w;
+  int64_t w_stride;
+};
+
+// kStaged: copies the sample's group of x and the tile's weights into shared memory at
+// `stage`, where each thread's gathers find them (69 us for the `odd` bench problem from
+// global memory, 33 us staged: docs/performance.md, 2026-11-30 16:05 UTC); `weight` is then
+// the caller's [Ci, Cog, taps], packed here as it is copied (a packing pass before the
+// kernel cost two launches, which small problems feel). Otherwise `weight` is
+// pack_weight_for_direct's [G, Cig, taps, co_pad], read in place. Ends with a barrier.
+template <typename scalar_t, bool kStaged>
+__device__ __forceinline__ Operands<scalar_t> stage_operands(const scalar_t* x_group, const scalar_t* weight,
+                                                             const ConvGeometry& g, int64_t group,
+                                                             int64_t co0, int64_t co_pad, scalar_t* stage) {
+  const int64_t cog = g.out_group_channels();
+  Operands<scalar_t> o;
+  if constexpr (kStaged) {
+    const int x_count = static_cast<int>(g.in_group_channels() * g.in_spatial());
+    scalar_t* w_stage = stage + staged_weight_offset<scalar_t>(g);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < x_count; i += kThreads) stage[i] = x_group[i];
+    // (ci, tap) rows of CT weights, from [Cig, Cog, taps] of the group
+    const int taps = static_cast<int>(g.taps()), w_count = static_cast<int>(g.in_group_channels()) * taps * CT;
+    const scalar_t* w_group = weight + group * g.in_group_channels() * cog * g.taps();
+#pragma unroll 4
+    for (int i = threadIdx.x; i < w_count; i += kThreads) {
+      const int j = i % CT, ci = i / CT / taps, tap = i / CT % taps;
+      w_stage[i] = co0 + j < cog ? w_group[(ci * cog + co0 + j) * g.taps() + tap] : scalar_t(0);
+    }
+    o = {stage, w_stage, CT};
+  } else {
+    o = {x_group, weight + group * g.in_group_channels() * g.taps() * co_pad + co0, co_pad};
+  }
+  __syncthreads();
+  return o;
+}
+
+// This thread's channel's share of one pass: for each of its slots (position p of item
+// first + u), the sets' shares summed, centred on the shift and squared. Positions past
+// the block's items or their row's end are skipped.
+template <int P, typename acc_t>
+__device__ __forceinline__ double centred_squares(const acc_t* shares, int sets, int threads, int channel,
+                                                  acc_t shift, int64_t first, int64_t end,
+                                                  int64_t row_items, int64_t out_w) {
+  const int row = threads + 1;
+  double e = 0;
+  for (int s = threadIdx.x / CT; s < P * threads; s += kThreads / CT) {
+    const int p = s / threads, u = s % threads;
+    const int64_t item = first + u;
+    if (item >= end || item % row_items * P + p >= out_w) continue;
+    acc_t total = 0;
+    for (int k = 0; k < sets; ++k) total += shares[((k * P + p) * CT + channel) * row + u];
+    const acc_t d = total - shift;
+    e += static_cast<double>(d) * static_cast<double>(d);
+  }
+  return e;
+}
+
+// Threads of one channel: lanes l and l + 16 of every warp (kThreads is a multiple of CT).
+// Each thread holds one channel's sum, so one shuffle and a table of the warps' sums
+// replace the CT block-wide reductions (CT barriers) that a reduction per channel costs.
+// Threads 0..CT-1 write their channel's total (those of channels < valid).
+__device__ __forceinline__ void write_channel_energy(double e, int valid, double* out, int64_t stride) {
+  static_assert(CT == 16 && kThreads % 32 == 0, "the reduction pairs lanes 16 apart");
+  __shared__ double warp_energy[kThreads / 32][CT];
+  e += __shfl_xor_sync(0xffffffffu, e, 16);
+  if (threadIdx.x % 32 < CT) warp_energy[threadIdx.x / 32][threadIdx.x % CT] = e;
+  __syncthreads();
+  if (threadIdx.x < CT && static_cast<int>(threadIdx.x) < valid) {
+    double total = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_energy[w][threadIdx.x];
+    out[threadIdx.x * stride] = total;
+  }
+}
+
 // Block (unit, split): sample b, one tile of CT channels of one group, and one
 // contiguous range of items, an item being P adjacent positions of an output row.
 // Partial energies of the splits share the same shift (the sample mean), so they add up
 // in the finalize step. Thread (s, t) sums set s's share of taps and input channels for
 // item t of each pass; the sets' shares are added in shared memory, centred and squared
-// there.
-// kStaged: the block first copies the sample's group of x and the tile's weights into
-// shared memory, where each thread's gathers find them (69 us for the `odd` bench
-// problem from global memory, 33 us staged: docs/performance.md, 2026-11-30 16:05 UTC);
-// `weight` is then the caller's [Ci, Cog, taps], packed here as it is copied (a packing
-// pass before the kernel cost two launches, which small problems feel). Otherwise
-// `weight` is pack_weight_for_direct's [G, Cig, taps, co_pad].
+// there. `weight`: see stage_operands.
 template <typename scalar_t, bool kStaged>
 __global__ void __launch_bounds__(kThreads)
     energy_direct_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ weight,
@@ -91,37 +166,14 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem[];
   acc_t* shares = reinterpret_cast<acc_t*>(smem);
   __shared__ acc_t shift[CT];
-  __shared__ double warp_energy[kThreads / 32][CT];
   if (threadIdx.x < CT) {
     const int64_t co_g = co0 + threadIdx.x;
     shift[threadIdx.x] = co_g < cog ? static_cast<acc_t>(sums.conv_sum(b, group * cog + co_g) / n_out)
                                     : acc_t(0);
   }
-  const scalar_t* x_group = x + (b * g.in_channels + group * g.in_group_channels()) * g.in_spatial();
-  const scalar_t* w_tile;  // the tile's first channel
-  int64_t w_stride;        // between the taps of w_tile
-  if constexpr (kStaged) {
-    scalar_t* x_stage = reinterpret_cast<scalar_t*>(shares + share_values<acc_t>(ci_sets * pair_sets));
-    const int x_count = static_cast<int>(g.in_group_channels() * g.in_spatial());
-    scalar_t* w_stage = x_stage + staged_weight_offset<scalar_t>(g);
-#pragma unroll 4
-    for (int i = threadIdx.x; i < x_count; i += kThreads) x_stage[i] = x_group[i];
-    // (ci, tap) rows of CT weights, from [Cig, Cog, taps] of the group
-    const int taps = static_cast<int>(g.taps()), w_count = static_cast<int>(g.in_group_channels()) * taps * CT;
-    const scalar_t* w_group = weight + group * g.in_group_channels() * cog * g.taps();
-#pragma unroll 4
-    for (int i = threadIdx.x; i < w_count; i += kThreads) {
-      const int j = i % CT, ci = i / CT / taps, tap = i / CT % taps;
-      w_stage[i] = co0 + j < cog ? w_group[(ci * cog + co0 + j) * g.taps() + tap] : scalar_t(0);
-    }
-    x_group = x_stage;
-    w_tile = w_stage;
-    w_stride = CT;
-  } else {
-    w_tile = weight + group * g.in_group_channels() * g.taps() * co_pad + co0;
-    w_stride = co_pad;
-  }
-  __syncthreads();
+  const Operands<scalar_t> in = stage_operands<scalar_t, kStaged>(
+      x + (b * g.in_channels + group * g.in_group_channels()) * g.in_spatial(), weight, g, group, co0, co_pad,
+      reinterpret_cast<scalar_t*>(shares + share_values<acc_t>(ci_sets * pair_sets)));
 
   const int sets = ci_sets * pair_sets, threads = kThreads / sets;
   const int set = threadIdx.x / threads, t = threadIdx.x % threads;
@@ -130,7 +182,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t ci0 = cig * ci_set / ci_sets, ci1 = cig * (ci_set + 1) / ci_sets;
   const int64_t pair0 = pairs * pair_set / pair_sets, pair1 = pairs * (pair_set + 1) / pair_sets;
   const int64_t begin = items * split / splits, end = items * (split + 1) / splits;
-  const int row = threads + 1;  // of `shares`
   const int channel = threadIdx.x % CT;  // whose energy this thread sums
   double e = 0;
   for (int64_t first = begin; first < end; first += threads) {
@@ -139,7 +190,7 @@ __global__ void __launch_bounds__(kThreads)
     if (item < end) {
       const int64_t ow0 = item % row_items * P, oh = item / row_items % g.out_size[1],
                     od = item / (row_items * g.out_size[1]);
-      conv_transpose_row<CT, P, index_t>(x_group, w_tile, g, w_stride, pair0, pair1, ci0, ci1, od, oh, ow0, y);
+      conv_transpose_row<CT, P, index_t>(in.x, in.w, g, in.w_stride, pair0, pair1, ci0, ci1, od, oh, ow0, y);
     } else {
 #pragma unroll
       for (int p = 0; p < P; ++p)
@@ -149,35 +200,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int p = 0; p < P; ++p)
 #pragma unroll
-      for (int j = 0; j < CT; ++j) shares[((set * P + p) * CT + j) * row + t] = y[p][j];
+      for (int j = 0; j < CT; ++j) shares[((set * P + p) * CT + j) * (threads + 1) + t] = y[p][j];
     __syncthreads();
-    // Slot s: position p = s / threads of item first + s % threads, for this thread's channel.
-    for (int s = threadIdx.x / CT; s < P * threads; s += kThreads / CT) {
-      const int p = s / threads, u = s % threads;
-      const int64_t item_s = first + u;
-      if (item_s >= end || item_s % row_items * P + p >= g.out_size[2]) continue;
-      acc_t total = 0;
-      for (int k = 0; k < sets; ++k) total += shares[((k * P + p) * CT + channel) * row + u];
-      const acc_t d = total - shift[channel];
-      e += static_cast<double>(d) * static_cast<double>(d);
-    }
+    e += centred_squares<P>(shares, sets, threads, channel, shift[channel], first, end, row_items, g.out_size[2]);
     __syncthreads();  // the shares are rewritten by the next pass
   }
-
-  // Threads of one channel: lanes l and l + 16 of every warp (kThreads is a multiple of CT).
-  // Each thread holds one channel's sum, so one shuffle and a table of the warps' sums
-  // replace the CT block-wide reductions (CT barriers) that a reduction per channel costs.
-  static_assert(CT == 16 && kThreads % 32 == 0, "the reduction pairs lanes 16 apart");
-  e += __shfl_xor_sync(0xffffffffu, e, 16);
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 < CT) warp_energy[warp][channel] = e;
-  __syncthreads();
-  if (threadIdx.x < CT && co0 + threadIdx.x < cog) {
-    double total = 0;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += warp_energy[w][threadIdx.x];
-    energy[(b * g.out_channels + group * cog + co0 + threadIdx.x) * splits + split] = total;
-  }
+  write_channel_energy(e, static_cast<int>(std::min<int64_t>(CT, cog - co0)),
+                       energy + (b * g.out_channels + group * cog + co0) * splits + split, splits);
 }
 
 // Sets of threads per block: the largest power of two (up to kMaxSets) that keeps
