@@ -24,10 +24,12 @@ namespace {
 // shrink with the batch (below eager PyTorch's on the `b4` bench problem,
 // docs/performance.md). With half of x's spectrum for the rows too, b4 took 1.42 ms
 // against 1.24 (2026-11-30 16:26 and 16:38 UTC): smaller W-stage launches, likely too
-// few blocks to fill the GPU.
+// few blocks to fill the GPU. The seed problem's 128 output channels take 53 MB of spectra:
+// in one chunk its contraction took 54 us less GPU time than in two of at most 32 MiB (two
+// GEMMs and one quad_form launch fewer, larger GEMMs; docs/performance.md, 2026-12-01 01:34 UTC).
 constexpr int64_t kMinChunkBytes = int64_t(8) << 20;
 constexpr int64_t kMaxRowsBytes = int64_t(48) << 20;
-constexpr int64_t kMaxWeightBytes = int64_t(32) << 20;
+constexpr int64_t kMaxWeightBytes = int64_t(64) << 20;
 // The H stage's output kept for one D stage over every depth frequency, where it is at most
 // this large (seed: 59 MB) and no larger than x's spectrum: per chunk, the D stage read and
 // wrote Z^ (26.5 MB) each time. The output's size does not depend on the batch, so on a

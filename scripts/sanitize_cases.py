@@ -35,9 +35,12 @@ run(2, 6, 9, (4, 3, 5), (3, 2, 4), True, "fft", stride=(2, 1, 3), dilation=(1, 2
     output_padding=(1, 0, 2), groups=3)
 # cross_spectrum.cu: float32 with two tiles (the second partial) and two launches of W
 # lags; three tiles in float32 and five in float64 (off-diagonal pairs beyond the first
-# row); float64 (one tile); a batch over two chunks; groups and phases. lag_stage.cu:
-# 13 D lags and 11 H lags (two launches each).
+# row); float64 (one tile); a batch over two chunks; groups and phases; whole chunks of
+# samples and whole tiles (the unrolled steps), float32 and float64, 10 W lags (5 + 5).
+# lag_stage.cu: 13 D lags and 11 H lags (two launches each).
 run(2, 40, 6, (3, 4, 5), (2, 2, 10), True, "cross_spectrum")
+run(32, 32, 5, (3, 4, 5), (3, 2, 10), True, "cross_spectrum")
+run(16, 16, 4, (3, 4, 5), 2, True, "cross_spectrum", torch.float64)
 run(2, 72, 6, (3, 4, 5), 3, True, "cross_spectrum")
 run(2, 72, 6, (3, 4, 5), 3, True, "cross_spectrum", torch.float64)
 run(2, 5, 6, (3, 4, 5), (7, 6, 2), True, "cross_spectrum")

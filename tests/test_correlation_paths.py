@@ -29,6 +29,11 @@ PROBLEMS = FFT_PROBLEMS + STRIDED_FFT_PROBLEMS + [
     # second 32-wide tile of one); groups of 20 channels and 10 samples, with strides.
     Problem(19, 33, 5, (3, 4, 5), (3, 2, 3), scale=-1.5),
     Problem(10, 40, 6, (4, 3, 5), (2, 3, 3), conv_kwargs=dict(stride=(1, 2, 1), groups=2)),
+    # and its unrolled steps (whole chunks of 16 samples, whole tiles): 32 samples in two
+    # chunks and 32 channels, 7 W lags (launches of 5 and 2); 16 samples and 16 channels
+    # (float32's 16-wide tile).
+    Problem(32, 32, 5, (3, 4, 5), (3, 2, 7)),
+    Problem(16, 16, 4, (3, 4, 5), (2, 2, 2), scale=0.5),
     # lag_stage.cu: 13 D lags and 11 H lags (two launches of up to 9 each).
     Problem(2, 5, 6, (3, 4, 5), (7, 6, 2)),
     # x_spectrum_dft.cu: odd D and H on even grids (radix 2 with a missing last odd input),

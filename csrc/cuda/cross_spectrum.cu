@@ -67,16 +67,34 @@ __device__ __forceinline__ void load_row(const C* src, C (&dst)[R]) {
 }
 
 // Shared memory of one block: double-buffered, step k + 1's values are stored while
-// step k's may still be read. [buffer][side i, side j][sample][channel].
+// step k's may still be read. x: [buffer][side i, side j][sample][channel]; coef: the
+// lags' coefficients of the fw in flight, [fw parity][lag] (kMaxLags, the most per launch).
+constexpr int kMaxLags = 5;
 template <typename C, int R>
-using Staged = C[2][2][kBatchChunk][kSide * R];
+struct Staged {
+  C x[2][2][kBatchChunk][kSide * R];
+  C coef[2][kMaxLags];
+};
+
+// s += conj(u) v over a thread's R x R entries for sample bb of a staged step.
+template <int R, typename C>
+__device__ __forceinline__ void add_sample(const C (&xs)[2][kBatchChunk][kSide * R], int bb, int ty, int tx,
+                                           C (&s)[R][R]) {
+  C u[R], v[R];
+  load_row<R>(&xs[0][bb][R * ty], u);
+  load_row<R>(&xs[1][bb][R * tx], v);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int c = 0; c < R; ++c) add_conj_product(s[r][c], u[r], v[c]);
+}
 
 // One block's work: row `row`, tile (ti, tj). kMirror: an off-diagonal tile, whose
 // lags keep the four real sums A = sum p a, B = sum q b, C = sum p b, D = sum q a of
 // coef = p + iq and S_f = a + ib, so that Q[i, j] = (A - B, C + D) and
 // Q[j, i] = (A + B, D - C) come from one S_f.
-template <typename T, int R, int kLags, bool kMirror>
-__device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename ComplexOf<T>::type, R>& xs,
+template <typename T, int R, int kLags, bool kMirror, bool kFull>
+__device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename ComplexOf<T>::type, R>& st,
                                           int64_t row, int ti, int tj) {
   using C = typename ComplexOf<T>::type;
   constexpr int kTile = kSide * R;
@@ -84,6 +102,7 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
   constexpr int kSideValues = kBatchChunk * kTile;
   constexpr int kPerThread = 2 * kSideValues / kThreads;  // values each thread stages per step
   static_assert(2 * kSideValues % kThreads == 0, "a step's values must split evenly over the threads");
+  static_assert(kLags <= kMaxLags && kLags <= kThreads, "one thread stages each lag's coefficient");
   // row: (fd - fd0) Lh + fh
   const int64_t fd = a.fd0 + row / a.lh, fh = row % a.lh;
   const int64_t i0 = ti * int64_t(kTile), j0 = tj * int64_t(kTile);
@@ -98,9 +117,11 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
 
   // A step is one fw and one chunk of samples; its values are loaded into registers a
   // step ahead, so the global loads are in flight while the previous step multiplies.
-  // Each thread moves the same kPerThread (sample, channel) slots at every step. The
-  // loops count (fw, chunk) in int: a step index split by 64-bit division and modulo is a
-  // long instruction sequence per step, in a kernel bound by issuing instructions.
+  // Each thread moves the same kPerThread (sample, channel) slots at every step, and
+  // thread m < kLags the step's fw's coefficient of lag m at its first chunk, through
+  // shared memory (0 past the launch's lags, so the lag loop needs no bound). The loops
+  // count (fw, chunk) in int: a step index split by 64-bit division and modulo is a long
+  // instruction sequence per step, in a kernel bound by issuing instructions.
   auto sample = [](int k) { return static_cast<int>((threadIdx.x + k * kThreads) / kTile % kBatchChunk); };
   int offset[kPerThread];  // from the step's first value (a row of B Ci values); -1: no channel
 #pragma unroll
@@ -109,13 +130,20 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
     const int64_t channel = (e / kSideValues ? j0 : i0) + e % kTile;
     offset[k] = channel < a.cig ? static_cast<int>(sample(k) * a.ci + channel) : -1;
   }
-  C next[kPerThread];
+  C next[kPerThread], next_coef = C{0, 0};
   auto load = [&](int fw, int chunk) {
     const int b0 = chunk * kBatchChunk;
     const C* base = x + (static_cast<int64_t>(fw) * batch + b0) * a.ci;
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
-      next[k] = offset[k] >= 0 && sample(k) < batch - b0 ? __ldg(base + offset[k]) : C{0, 0};
+      if constexpr (kFull) {
+        next[k] = __ldg(base + offset[k]);
+      } else {
+        next[k] = offset[k] >= 0 && sample(k) < batch - b0 ? __ldg(base + offset[k]) : C{0, 0};
+      }
+    }
+    if (chunk == 0 && threadIdx.x < kLags) {
+      next_coef = threadIdx.x < a.lags ? __ldg(coef + fw * a.lags_total + threadIdx.x) : C{0, 0};
     }
   };
   // acc: the lags' (A, C) under kMirror, else Q itself; mir: (B, D) under kMirror.
@@ -133,46 +161,36 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
   load(0, 0);
   int buf = 0, next_fw = 0, next_chunk = 0;  // the step `next` holds
   for (int fw = 0; fw < lwf; ++fw) {
-    // This fw's coefficients, loaded now so that their latency hides behind S_f's products
-    // (not under kMirror, whose sums need those registers).
-    constexpr int kAhead = kMirror ? 1 : kLags;
-    C w[kAhead];
-#pragma unroll
-    for (int m = 0; m < kAhead; ++m) w[m] = m < a.lags ? __ldg(coef + fw * a.lags_total + m) : C{0, 0};
     for (int chunk = 0; chunk < chunks; ++chunk, buf ^= 1) {
 #pragma unroll
-      for (int k = 0; k < kPerThread; ++k) (&xs[buf][0][0][0])[threadIdx.x + k * kThreads] = next[k];
+      for (int k = 0; k < kPerThread; ++k) (&st.x[buf][0][0][0])[threadIdx.x + k * kThreads] = next[k];
+      if (chunk == 0 && threadIdx.x < kLags) st.coef[fw & 1][threadIdx.x] = next_coef;
       __syncthreads();
       if (++next_chunk == chunks) next_chunk = 0, ++next_fw;
       if (next_fw < lwf) load(next_fw, next_chunk);
-      const int staged = min(batch - chunk * kBatchChunk, kBatchChunk);
+      if constexpr (kFull) {
+#pragma unroll
+        for (int bb = 0; bb < kBatchChunk; ++bb) add_sample<R>(st.x[buf], bb, ty, tx, s);
+      } else {
+        const int staged = min(batch - chunk * kBatchChunk, kBatchChunk);
 #pragma unroll 4
-      for (int bb = 0; bb < staged; ++bb) {
-        C u[R], v[R];
-        load_row<R>(&xs[buf][0][bb][R * ty], u);
-        load_row<R>(&xs[buf][1][bb][R * tx], v);
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int c = 0; c < R; ++c) add_conj_product(s[r][c], u[r], v[c]);
+        for (int bb = 0; bb < staged; ++bb) add_sample<R>(st.x[buf], bb, ty, tx, s);
       }
     }
     if (!dc_row || fw != 0) {
 #pragma unroll
       for (int m = 0; m < kLags; ++m) {
-        if (m < a.lags) {
-          const C wm = kMirror ? __ldg(coef + fw * a.lags_total + m) : w[kMirror ? 0 : m];
+        const C wm = st.coef[fw & 1][m];
 #pragma unroll
-          for (int r = 0; r < R; ++r)
+        for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int c = 0; c < R; ++c) {
-              if constexpr (kMirror) {
-                add_mirror_sums(acc[r][c][m], mir[r][c][m], s[r][c], wm);
-              } else {
-                add_product(acc[r][c][m], s[r][c], wm);
-              }
+          for (int c = 0; c < R; ++c) {
+            if constexpr (kMirror) {
+              add_mirror_sums(acc[r][c][m], mir[r][c][m], s[r][c], wm);
+            } else {
+              add_product(acc[r][c][m], s[r][c], wm);
             }
-        }
+          }
       }
     }
 #pragma unroll
@@ -209,7 +227,7 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
 // adjacent instead, a row's tiles ran a launch's rows apart; the seed problem's W stage
 // took 352 us per call that way, 344 this way, docs/performance.md); in a row the
 // off-diagonal pairs come first (the longer blocks), then the diagonal tiles.
-template <typename T, int R, int kLags>
+template <typename T, int R, int kLags, bool kFull>
 __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArgs a) {
   __shared__ __align__(16) Staged<typename ComplexOf<T>::type, R> xs;
   const int pairs = static_cast<int>(a.tiles * (a.tiles - 1) / 2);
@@ -219,24 +237,34 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
   if (y < pairs) {
     int pair = y, ti = 0;
     for (; pair >= a.tiles - 1 - ti; ++ti) pair -= static_cast<int>(a.tiles) - 1 - ti;
-    tile_rows<T, R, kLags, true>(a, xs, row, ti, ti + 1 + pair);
+    tile_rows<T, R, kLags, true, kFull>(a, xs, row, ti, ti + 1 + pair);
   } else {
-    tile_rows<T, R, kLags, false>(a, xs, row, y - pairs, y - pairs);
+    tile_rows<T, R, kLags, false, kFull>(a, xs, row, y - pairs, y - pairs);
   }
 }
 
 // The smallest register budget of lags that holds `lags` (kMaxLags per launch: with
-// eight, the off-diagonal tiles' sums spilled 600 bytes).
-constexpr int kMaxLags = 5;
-template <typename T, int R>
+// eight, the off-diagonal tiles' sums spilled 600 bytes). kFull: every step stages a whole
+// chunk of samples and every channel of the tile exists (batch a multiple of kBatchChunk,
+// Cig of the tile's side), so its loops unroll and its loads need no bounds.
+template <typename T, int R, bool kFull>
 void launch_rows(const RowsArgs& a, dim3 grid) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (a.lags <= 2) {
-    cross_spectrum_kernel<T, R, 2><<<grid, kSide * kSide, 0, stream>>>(a);
+    cross_spectrum_kernel<T, R, 2, kFull><<<grid, kSide * kSide, 0, stream>>>(a);
   } else {
-    cross_spectrum_kernel<T, R, kMaxLags><<<grid, kSide * kSide, 0, stream>>>(a);
+    cross_spectrum_kernel<T, R, kMaxLags, kFull><<<grid, kSide * kSide, 0, stream>>>(a);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int R>
+void launch_rows(const RowsArgs& a, dim3 grid) {
+  if (a.batch % kBatchChunk == 0 && a.cig % (kSide * R) == 0) {
+    launch_rows<T, R, true>(a, grid);
+  } else {
+    launch_rows<T, R, false>(a, grid);
+  }
 }
 
 }  // namespace
