@@ -229,7 +229,7 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
 // off-diagonal pairs come first (the longer blocks), then the diagonal tiles.
 template <typename T, int R, int kLags, bool kFull>
 __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArgs a) {
-  __shared__ __align__(16) Staged<typename ComplexOf<T>::type, R> xs;
+  __shared__ __align__(16) Staged<typename ComplexOf<T>::type, R> st;
   const int pairs = static_cast<int>(a.tiles * (a.tiles - 1) / 2);
   const int64_t row_tiles = a.tiles * (a.tiles + 1) / 2;
   const int64_t row = blockIdx.x / row_tiles;
@@ -237,9 +237,9 @@ __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArg
   if (y < pairs) {
     int pair = y, ti = 0;
     for (; pair >= a.tiles - 1 - ti; ++ti) pair -= static_cast<int>(a.tiles) - 1 - ti;
-    tile_rows<T, R, kLags, true, kFull>(a, xs, row, ti, ti + 1 + pair);
+    tile_rows<T, R, kLags, true, kFull>(a, st, row, ti, ti + 1 + pair);
   } else {
-    tile_rows<T, R, kLags, false, kFull>(a, xs, row, y - pairs, y - pairs);
+    tile_rows<T, R, kLags, false, kFull>(a, st, row, y - pairs, y - pairs);
   }
 }
 
