@@ -32,7 +32,7 @@ namespace {
 SampleSumTensors sample_sums(const Backend& backend, const at::Tensor& x, const at::Tensor& w,
                              const ConvGeometry& g) {
   if (!g.has_padding()) return backend.sample_sums(x, w);
-  return {box_sums(x, g),
+  return {box_sums(backend, x, g),
           w.to(at::kDouble).reshape({g.in_channels, g.out_group_channels(), g.taps()})};
 }
 

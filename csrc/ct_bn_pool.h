@@ -101,7 +101,7 @@ struct Backend {
 // Device-independent pieces, written with ATen ops.
 // [B, Ci, taps] double: sums of x over the boxes whose taps land inside the
 // cropped output (docs/math.md §2.2); used when padding > 0.
-at::Tensor box_sums(const at::Tensor& x, const ConvGeometry& g);
+at::Tensor box_sums(const Backend& backend, const at::Tensor& x, const ConvGeometry& g);
 // [B, Co, 1] double energy via ATen's convolution over slices of the batch
 // (docs/math.md §3.2).
 at::Tensor energy_sliced_conv(const at::Tensor& x, const at::Tensor& weight, const ConvGeometry& g);
