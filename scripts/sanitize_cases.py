@@ -1,4 +1,6 @@
 """Small calls that run every CUDA kernel once, for compute-sanitizer (scripts/gpu_check.sh)."""
+import os
+
 import torch
 
 import fused_ops
@@ -46,6 +48,15 @@ run(2, 72, 6, (3, 4, 5), 3, True, "cross_spectrum", torch.float64)
 run(2, 5, 6, (3, 4, 5), (7, 6, 2), True, "cross_spectrum")
 run(19, 6, 8, (3, 4, 5), 3, True, "cross_spectrum", torch.float64)
 run(2, 6, 9, (4, 3, 5), (3, 2, 4), True, "cross_spectrum", stride=(2, 1, 3), groups=3)
+# cross_spectrum_mma.cu (float32, even groups, sm_90; the cases above with an even group
+# run it): a partial chunk of 3 samples and a block whose columns end at 34 of its 48;
+# groups of 20 channels. cross_spectrum.cu's float32 kernel, forced where that one runs.
+run(19, 34, 5, (3, 4, 5), (3, 2, 3), True, "cross_spectrum")
+run(10, 40, 6, (4, 3, 5), (2, 3, 7), True, "cross_spectrum", groups=2)
+os.environ["FUSED_OPS_W_STAGE"] = "simt"
+run(2, 40, 6, (3, 4, 5), (2, 2, 10), True, "cross_spectrum")
+run(32, 32, 5, (3, 4, 5), (3, 2, 10), True, "cross_spectrum")
+del os.environ["FUSED_OPS_W_STAGE"]
 m = fused_ops.ConvTransposeBNPool3d(4, 6, 3, 2.0, stride=2, track_running_stats=False).cuda()
 with torch.no_grad():
     assert torch.isfinite(m(torch.randn(2, 4, 3, 4, 5, device="cuda"))).all()

@@ -123,7 +123,7 @@ def test_auto_on_cpu_takes_correlation_where_it_is_cheaper(kernel, conv_kwargs, 
 
 # What each path leaves in the profile: our kernels by name, correlation's GEMMs (aten::bmm),
 # sliced_conv's aten::_convolution (csrc/sliced_conv_energy.cpp calls it directly).
-PATH_MARKS = {"cross_spectrum": "cross_spectrum_kernel", "fft": "spectral_energy_kernel",
+PATH_MARKS = {"cross_spectrum": "cross_spectrum_", "fft": "spectral_energy_kernel",
               "direct": "energy_direct_kernel", "sliced_conv": "aten::_convolution"}
 CUDA_AUTO_CASES = [
     (4, 4, dict(stride=2), "cross_spectrum"),    # st2: 27 lags from the cross-spectrum
@@ -220,6 +220,42 @@ def test_cross_spectrum_keeps_the_h_stage_output_where_x_spectrum_is_larger(batc
         torch.cuda.synchronize()
     # the D stage is the lag stage over float64 sums (the H stage's input is x's dtype)
     assert sum("lag_stage_kernel<double2" in e.name for e in prof.events()) == d_stages
+    with torch.no_grad():
+        assert relerr(out, ref(x.double().cpu())) <= 1e-6
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
+
+
+# The W stage's cases (tests above): tiles past the channels, lag launches of 5 and 2,
+# chunks of samples with a partial one, groups, strides; and for cross_spectrum_mma.cu a
+# partial chunk of samples with an even group (34 channels: a block whose columns end at
+# 34 of its 48).
+W_STAGE_PROBLEMS = [p for p in PROBLEMS if p.in_channels >= 16 or p.batch >= 10] + [
+    Problem(19, 34, 5, (3, 4, 5), (3, 2, 3), scale=-1.5)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("w_stage", ["default", "simt"])
+@pytest.mark.parametrize("problem", W_STAGE_PROBLEMS, ids=Problem.ids)
+def test_cross_spectrum_w_stage_kernels(problem, w_stage, monkeypatch):
+    """csrc/cuda/cross_spectrum_mma.cu (float64 tensor cores) on sm_90 and later where the
+    groups have an even number of channels, else cross_spectrum.cu; FUSED_OPS_W_STAGE=simt
+    takes the latter everywhere. Both against float64, and the kernel that ran is the one
+    named."""
+    if w_stage == "simt":
+        monkeypatch.setenv("FUSED_OPS_W_STAGE", "simt")
+    ref, fused = make_models(problem, torch.float32, "cuda", algo="cross_spectrum")
+    ref.train()
+    fused.train()
+    x = make_input(problem, torch.float32, "cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fused(x)
+        torch.cuda.synchronize()
+    group_channels = problem.in_channels // problem.conv_kwargs.get("groups", 1)
+    mma = w_stage == "default" and torch.cuda.get_device_capability()[0] >= 9 and group_channels % 2 == 0
+    names = [e.name for e in prof.events()]
+    assert any("cross_spectrum_mma_kernel" in n for n in names) == mma
+    assert any("cross_spectrum_kernel<float" in n for n in names) == (not mma)
     with torch.no_grad():
         assert relerr(out, ref(x.double().cpu())) <= 1e-6
     for name in ("running_mean", "running_var"):

@@ -1,4 +1,5 @@
-// The cross-spectrum path's W stage (docs/math.md §3.5): for each frequency f the
+// The cross-spectrum path's W stage (docs/math.md §3.5) for float64 spectra, and for float32
+// ones where cross_spectrum_mma.cu does not run (before sm_90): for each frequency f the
 // [Cig, Cig] matrix S_f = sum_b X_f[b]^H X_f[b] of a group, reduced at once to
 // the lags m_w the sub-kernels span, Q[m] = sum_fw coef[fw, m] S_f, so S_f is never
 // stored. A block owns one (fd, fh) row and a tile of (i, j) pairs and walks the
@@ -15,6 +16,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/kernels.h"
 #include "cuda/spectrum_common.cuh"
@@ -267,6 +270,13 @@ void launch_rows(const RowsArgs& a, dim3 grid) {
   }
 }
 
+// FUSED_OPS_W_STAGE=simt: this file's kernel for float32 spectra on sm_90 too, where
+// cross_spectrum_mma.cu runs otherwise (the tests run both there). Read at every call.
+bool simt_forced() {
+  const char* v = std::getenv("FUSED_OPS_W_STAGE");
+  return v != nullptr && std::strcmp(v, "simt") == 0;
+}
+
 }  // namespace
 
 at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count,
@@ -294,6 +304,10 @@ at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64
               " rows, ", to_str(row_tiles), " tiles, ", to_str(groups), " groups)");
   const at::Tensor c = coef.to(is_double ? at::kComplexDouble : at::kComplexFloat).contiguous();
   auto q = at::empty({count, a.lh, a.lags_total, groups, a.cig, a.cig}, x_spec.options());
+  if (!simt_forced() && cross_spectrum_mma_supported(x_spec, groups)) {
+    cross_spectrum_rows_mma_cuda(x_spec, fd0, count, c, groups, q);
+    return q;
+  }
   a.x = x_spec.data_ptr();
   a.coef = c.data_ptr();
   a.q = q.data_ptr();

@@ -46,8 +46,16 @@ at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& weight,
 void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
 // Backend::cross_spectrum_rows (docs/math.md §3.5): cross_spectrum.cu, one block per
 // (fd, fh) row and tile of (i, j) pairs, the W stage applied as each fw's matrix is made.
+// float32 spectra on sm_90 take cross_spectrum_mma.cu (float64 tensor cores) where
+// cross_spectrum_mma_supported, unless FUSED_OPS_W_STAGE=simt; else cross_spectrum.cu.
 at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);
+// Whether cross_spectrum_rows_mma_cuda runs for this spectrum: complex64, groups of an
+// even number of channels, a binary of compute_90 or later on its device.
+bool cross_spectrum_mma_supported(const at::Tensor& x_spec, int64_t groups);
+// Writes q [count, Lh, lags, G, Cig, Cig] complex64 (coef: complex64, contiguous).
+void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count, const at::Tensor& coef,
+                                  int64_t groups, const at::Tensor& q);
 // Backend::lag_stage: lag_stage.cu, one thread per column.
 void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
 // Backend::correlation_blocks: correlation_blocks.cu, one thread per entry and chunk of bins.

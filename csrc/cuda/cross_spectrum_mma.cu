@@ -1,0 +1,293 @@
+// The cross-spectrum path's W stage (docs/math.md §3.5) on the float64 tensor cores of
+// sm_90, for float32 spectra: S_f = sum_b X_f[b]^H X_f[b] by `mma.sync.m16n8k4.f64`,
+// reduced at each fw to the lags' Q[m] = sum_fw coef[fw, m] S_f in float32 registers, as
+// cross_spectrum.cu does with multiply-adds. Why: that kernel issued 59M instructions per
+// seed launch at 38% of the FMA peak, its diagonal tiles forming 3072 entries of S_f per
+// row for the 2080 the Hermitian symmetry leaves (docs/performance.md, 2026-12-01); a
+// float64 MMA does 512 multiply-adds per instruction, and the products of float32 values
+// are exact in float64.
+//
+// A warp's task is 16 rows i (block p) by 8 columns j (tile q) of S_f; the tasks with
+// some entry on or above the diagonal are those with q >= 2p. A block's four warps take
+// four consecutive tiles of one block p and stage, per step of 16 samples of one fw, the
+// 16 row channels and the 32 column channels they read, as float64 real and imaginary
+// planes. An entry above the diagonal writes Q at (i, j) and at (j, i) from the four real
+// sums of cross_spectrum.cu's kMirror tiles; one on it writes once; one below writes
+// nothing (the task holding its transpose writes it).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "cuda/kernels.h"
+#include "message.h"
+
+namespace fused_ops {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kBlockRows = 16;                                   // i per task: the MMA's M
+constexpr int kTileCols = 8;                                     // j per task: the MMA's N
+constexpr int kSamples = 16;                                     // samples per staged step
+constexpr int kStaged = kBlockRows + kWarps * kTileCols;         // channels per step: 48
+constexpr int kPitch = 52;                                       // = 4 (mod 16): the fragment loads'
+                                                                 // 16 (sample, channel) pairs of a
+                                                                 // half-warp fall in distinct banks
+constexpr int kMaxLags = 5;
+constexpr int kMmaK = 8;  // mma.m16n8k8: half the instructions of k4 (254.7 against 272.1 us per seed call)
+
+struct MmaArgs {
+  const float2* x;     // [Ld, Lh, Lwf, B, Ci]
+  const float2* coef;  // [Lwf, lags_total]
+  float2* q;           // [count, Lh, lags_total, G, Cig, Cig]
+  int64_t fd0, lh, lwf, batch, ci, cig, lags_total, lag0, lags;
+  int tiles_q, blocks_per_row;
+};
+
+// d += a b, a 16 x K by K x 8 product on the float64 tensor cores (PTX ISA, mma.m16n8kK
+// .f64): a[v] is row lane/4 + 8 (v % 2), column lane%4 + 4 (v / 2); b[v] row lane%4 + 4 v,
+// column lane/4; d0, d1 row lane/4, columns 2 (lane%4) and + 1; d2, d3 8 rows below.
+template <int K>
+__device__ __forceinline__ void mma_f64(double (&d)[4], const double (&a)[K / 2], const double (&b)[K / 4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (K == 4) {
+    asm("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+        : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+        : "d"(a[0]), "d"(a[1]), "d"(b[0]));
+  } else {
+    static_assert(K == 8, "k 4 or 8");
+    asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
+  }
+#else
+  __trap();  // cross_spectrum_mma_supported keeps other architectures out
+#endif
+}
+
+// The block p and the first tile q0 of block `y` of a row: p's blocks take its tiles
+// q = 2p, 2p + 1, ..., kWarps at a time.
+__device__ __forceinline__ void locate(int y, int tiles_q, int& p, int& q0) {
+  for (p = 0;; ++p) {
+    const int n = (tiles_q - 2 * p + kWarps - 1) / kWarps;
+    if (y < n) break;
+    y -= n;
+  }
+  q0 = 2 * p + kWarps * y;
+}
+
+// re + i im += S of one staged step for the warp's task: conj(u) v = (ur vr + ui vi) + i (ur vi - ui vr),
+// u the block's row channels, v the warp's 8 column channels. xs: the step's real plane at
+// this thread's (sample lane%4, staged channel lane/4); col: where the warp's columns start
+// past that; every other offset is a constant, so each load is one instruction.
+template <int K>
+__device__ __forceinline__ void add_step(const double* xs, int col, double (&re)[4], double (&im)[4]) {
+  constexpr int kIm = kSamples * kPitch;  // the imaginary plane, after the real one
+#pragma unroll 1
+  for (int k0 = 0; k0 < kSamples; k0 += K) {
+    double ur[K / 2], ui[K / 2], vr[K / 4], vi[K / 4];
+#pragma unroll
+    for (int v = 0; v < K / 2; ++v) {
+      const int at = (k0 + 4 * (v / 2)) * kPitch + 8 * (v % 2);
+      ur[v] = xs[at];
+      ui[v] = xs[kIm + at];
+    }
+#pragma unroll
+    for (int v = 0; v < K / 4; ++v) {
+      const int at = (k0 + 4 * v) * kPitch + col;
+      vr[v] = xs[at];
+      vi[v] = xs[kIm + at];
+    }
+    mma_f64<K>(re, ur, vr);
+    mma_f64<K>(re, ui, vi);
+    mma_f64<K>(im, ur, vi);
+#pragma unroll
+    for (int v = 0; v < K / 2; ++v) ui[v] = -ui[v];
+    mma_f64<K>(im, ui, vr);
+  }
+}
+
+struct Smem {
+  double x[2][2][kSamples][kPitch];  // [buffer][real, imaginary][sample][staged channel]
+  float2 coef[2][kMaxLags];          // [fw parity][lag]: 0 past the launch's lags
+};
+
+// A step's staging: each thread moves kPieces pieces of two adjacent channels (16 bytes of
+// x) of kSamples x kStaged values, converted to float64 into the real and imaginary planes.
+constexpr int kPieces = kSamples * kStaged / 2 / kThreads;  // 3
+static_assert(kSamples * kStaged % (2 * kThreads) == 0, "a step's pieces split evenly over the threads");
+
+template <int kLags>
+__global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs a) {
+  constexpr int K = kMmaK;
+  __shared__ __align__(16) Smem st;
+  const int64_t row = blockIdx.x / a.blocks_per_row;  // (fd - fd0) Lh + fh
+  int p, q0;
+  locate(static_cast<int>(blockIdx.x % a.blocks_per_row), a.tiles_q, p, q0);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
+  const int q = q0 + warp;
+  const bool active = q < a.tiles_q;
+  const int64_t fd = a.fd0 + row / a.lh, fh = row % a.lh, group = blockIdx.z;
+  const int i0 = kBlockRows * p, j0 = kTileCols * q0;
+  const int lwf = static_cast<int>(a.lwf), batch = static_cast<int>(a.batch);
+  const int chunks = (batch + kSamples - 1) / kSamples;
+  const bool dc_row = fd == 0 && fh == 0;  // its fw = 0 is the DC bin, left out (§3.5)
+
+  // Piece k of this thread: sample e / (kStaged / 2) and pair e % (kStaged / 2) of the step,
+  // e = threadIdx.x + k kThreads; the pairs are the block's 16 row channels, then its 32 column
+  // channels. src: its bytes past the step's first value (-1: no such channel); at: its
+  // place in a plane of Smem::x (low 16 bits) and its sample (high 16), for the last chunk's bound.
+  const char* x = reinterpret_cast<const char*>(a.x + (fd * a.lh + fh) * a.lwf * a.batch * a.ci + group * a.cig);
+  int src[kPieces], at[kPieces];
+#pragma unroll
+  for (int k = 0; k < kPieces; ++k) {
+    const int e = threadIdx.x + k * kThreads, sample = e / (kStaged / 2), slot = 2 * (e % (kStaged / 2));
+    const int channel = slot < kBlockRows ? i0 + slot : j0 + slot - kBlockRows;
+    src[k] = channel < a.cig ? (sample * static_cast<int>(a.ci) + channel) * 8 : -1;
+    at[k] = sample << 16 | (sample * kPitch + slot);
+  }
+  const int64_t step_bytes = a.ci * 8;  // one sample's values
+  float4 next[kPieces];
+  float2 next_coef = float2{0, 0};
+  auto load = [&](int fw, int chunk) {
+    const int b0 = chunk * kSamples;
+    const char* base = x + (int64_t(fw) * batch + b0) * step_bytes;
+#pragma unroll
+    for (int k = 0; k < kPieces; ++k) {
+      next[k] = src[k] >= 0 && (at[k] >> 16) < batch - b0 ? __ldg(reinterpret_cast<const float4*>(base + src[k]))
+                                                      : float4{0, 0, 0, 0};
+    }
+    if (chunk == 0 && threadIdx.x < kLags) {
+      next_coef = threadIdx.x < a.lags ? __ldg(a.coef + fw * a.lags_total + a.lag0 + threadIdx.x) : float2{0, 0};
+    }
+  };
+  // Per entry e of the thread's four (d0..d3 of the MMA), the lags' sums (A, C) in acc and
+  // (B, D) in mir, as cross_spectrum.cu's add_mirror_sums keeps them.
+  float2 acc[4][kLags], mir[4][kLags];
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+#pragma unroll
+    for (int m = 0; m < kLags; ++m) acc[e][m] = mir[e][m] = float2{0, 0};
+  double re[4] = {0, 0, 0, 0}, im[4] = {0, 0, 0, 0};
+  const int col = kBlockRows + kTileCols * warp;  // add_step: the warp's columns, past the rows
+
+  load(0, 0);
+  int buf = 0, next_fw = 0, next_chunk = 0;
+  for (int fw = 0; fw < lwf; ++fw) {
+    for (int chunk = 0; chunk < chunks; ++chunk, buf ^= 1) {
+      double* re_plane = &st.x[buf][0][0][0];
+#pragma unroll
+      for (int k = 0; k < kPieces; ++k) {
+        double* to = re_plane + (at[k] & 0xffff);
+        *reinterpret_cast<double2*>(to) = double2{next[k].x, next[k].z};
+        *reinterpret_cast<double2*>(to + kSamples * kPitch) = double2{next[k].y, next[k].w};
+      }
+      if (chunk == 0 && threadIdx.x < kLags) st.coef[fw & 1][threadIdx.x] = next_coef;
+      __syncthreads();
+      if (++next_chunk == chunks) next_chunk = 0, ++next_fw;
+      if (next_fw < lwf) load(next_fw, next_chunk);
+      if (active) add_step<K>(&st.x[buf][0][t4][g], col, re, im);
+    }
+    if (active && (!dc_row || fw != 0)) {
+#pragma unroll
+      for (int m = 0; m < kLags; ++m) {
+        const float2 w = st.coef[fw & 1][m];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float sr = static_cast<float>(re[e]), si = static_cast<float>(im[e]);
+          acc[e][m].x = fmaf(w.x, sr, acc[e][m].x);
+          acc[e][m].y = fmaf(w.x, si, acc[e][m].y);
+          mir[e][m].x = fmaf(w.y, si, mir[e][m].x);
+          mir[e][m].y = fmaf(w.y, sr, mir[e][m].y);
+        }
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) re[e] = im[e] = 0;
+  }
+  if (!active) return;
+  const int64_t entries = static_cast<int64_t>(gridDim.z) * a.cig * a.cig;
+  float2* out = a.q + (row * a.lags_total + a.lag0) * entries + group * a.cig * a.cig;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int64_t i = i0 + g + (e >= 2 ? 8 : 0), j = int64_t(kTileCols) * q + 2 * t4 + (e & 1);
+    if (i > j || j >= a.cig) continue;
+#pragma unroll
+    for (int m = 0; m < kLags; ++m) {
+      if (m >= a.lags) break;
+      const float2 s = acc[e][m], t = mir[e][m];
+      out[m * entries + i * a.cig + j] = float2{s.x - t.x, s.y + t.y};
+      if (i < j) out[m * entries + j * a.cig + i] = float2{s.x + t.x, t.y - s.y};
+    }
+  }
+}
+
+}  // namespace
+
+bool cross_spectrum_mma_supported(const at::Tensor& x_spec, int64_t groups) {
+  // The staging reads 16-byte pieces of two channels: an even group size (so Ci is even
+  // and every group starts a piece) and a 16-byte aligned spectrum.
+  const int64_t cig = x_spec.size(4) / groups;
+  if (x_spec.scalar_type() != at::kComplexFloat || cig % 2 != 0 ||
+      reinterpret_cast<std::uintptr_t>(x_spec.data_ptr()) % 16 != 0) {
+    return false;
+  }
+  // The binary that runs on this device must come from compute_90 or later: a PTX of an
+  // older architecture, JIT-compiled here, holds no mma.f64 of this shape.
+  static std::mutex mutex;
+  static std::vector<int> ptx_version;  // per device; 0: not asked yet
+  const std::lock_guard<std::mutex> lock(mutex);
+  const int device = x_spec.device().index();
+  if (static_cast<int>(ptx_version.size()) <= device) ptx_version.resize(device + 1, 0);
+  if (ptx_version[device] == 0) {
+    const c10::cuda::CUDAGuard guard(x_spec.device());
+    cudaFuncAttributes attr;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, cross_spectrum_mma_kernel<kMaxLags>));
+    ptx_version[device] = attr.ptxVersion;
+  }
+  return ptx_version[device] >= 90;
+}
+
+void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count, const at::Tensor& coef,
+                                  int64_t groups, const at::Tensor& q) {
+  const c10::cuda::CUDAGuard guard(x_spec.device());
+  MmaArgs a;
+  a.x = static_cast<const float2*>(x_spec.data_ptr());
+  a.coef = static_cast<const float2*>(coef.data_ptr());
+  a.q = static_cast<float2*>(q.data_ptr());
+  a.fd0 = fd0;
+  a.lh = x_spec.size(1);
+  a.lwf = x_spec.size(2);
+  a.batch = x_spec.size(3);
+  a.ci = x_spec.size(4);
+  a.cig = a.ci / groups;
+  a.lags_total = coef.size(1);
+  const int64_t tiles_q = (a.cig + kTileCols - 1) / kTileCols;
+  int64_t per_row = 0;
+  for (int64_t p = 0; 2 * p < tiles_q; ++p) per_row += (tiles_q - 2 * p + kWarps - 1) / kWarps;
+  const int64_t rows = count * a.lh;
+  TORCH_CHECK(rows * per_row < (int64_t(1) << 31) && groups < 65536 && a.batch * a.ci < (int64_t(1) << 31),
+              "ct_bn_pool: problem too large for the cross-spectrum path's W stage (", to_str(rows), " rows, ",
+              to_str(per_row), " blocks per row, ", to_str(groups), " groups)");
+  a.tiles_q = static_cast<int>(tiles_q);
+  a.blocks_per_row = static_cast<int>(per_row);
+  const dim3 grid(static_cast<unsigned>(rows * per_row), 1, static_cast<unsigned>(groups));
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  for (a.lag0 = 0; a.lag0 < a.lags_total; a.lag0 += kMaxLags) {
+    a.lags = std::min<int64_t>(kMaxLags, a.lags_total - a.lag0);
+    if (a.lags <= 2) {
+      cross_spectrum_mma_kernel<2><<<grid, kThreads, 0, stream>>>(a);
+    } else {
+      cross_spectrum_mma_kernel<kMaxLags><<<grid, kThreads, 0, stream>>>(a);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+}  // namespace fused_ops
