@@ -85,12 +85,13 @@ __device__ __forceinline__ void locate(int y, int tiles_q, int& p, int& q0) {
 // re + i im += S of one staged step for the warp's task: conj(u) v = (ur vr + ui vi) + i (ur vi - ui vr),
 // u the block's row channels, v the warp's 8 column channels. xs: the step's real plane at
 // this thread's (sample lane%4, staged channel lane/4); col: where the warp's columns start
-// past that; every other offset is a constant, so each load is one instruction.
+// past that; every other offset is a constant, so each load is one instruction. samples: the
+// step's samples (the staged ones past them are zeros, and only the MMAs that reach one run).
 template <int K>
-__device__ __forceinline__ void add_step(const double* xs, int col, double (&re)[4], double (&im)[4]) {
+__device__ __forceinline__ void add_step(const double* xs, int col, int samples, double (&re)[4], double (&im)[4]) {
   constexpr int kIm = kSamples * kPitch;  // the imaginary plane, after the real one
 #pragma unroll 1
-  for (int k0 = 0; k0 < kSamples; k0 += K) {
+  for (int k0 = 0; k0 < samples; k0 += K) {
     double ur[K / 2], ui[K / 2], vr[K / 4], vi[K / 4];
 #pragma unroll
     for (int v = 0; v < K / 2; ++v) {
@@ -192,7 +193,7 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
       __syncthreads();
       if (++next_chunk == chunks) next_chunk = 0, ++next_fw;
       if (next_fw < lwf) load(next_fw, next_chunk);
-      if (active) add_step<K>(&st.x[buf][0][t4][g], col, re, im);
+      if (active) add_step<K>(&st.x[buf][0][t4][g], col, min(batch - chunk * kSamples, kSamples), re, im);
     }
     if (active && (!dc_row || fw != 0)) {
 #pragma unroll
