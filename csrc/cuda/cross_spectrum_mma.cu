@@ -1,10 +1,10 @@
 // The cross-spectrum path's W stage (docs/math.md §3.5) on the float64 tensor cores of
-// sm_90, for float32 spectra: S_f = sum_b X_f[b]^H X_f[b] by `mma.sync.m16n8k4.f64`,
+// sm_90, for float32 spectra: S_f = sum_b X_f[b]^H X_f[b] by `mma.sync.m16n8k8.f64`,
 // reduced at each fw to the lags' Q[m] = sum_fw coef[fw, m] S_f in float32 registers, as
 // cross_spectrum.cu does with multiply-adds. Why: that kernel issued 59M instructions per
 // seed launch at 38% of the FMA peak, its diagonal tiles forming 3072 entries of S_f per
 // row for the 2080 the Hermitian symmetry leaves (docs/performance.md, 2026-12-01); a
-// float64 MMA does 512 multiply-adds per instruction, and the products of float32 values
+// float64 MMA does 1024 multiply-adds per instruction, and the products of float32 values
 // are exact in float64.
 //
 // A warp's task is 16 rows i (block p) by 8 columns j (tile q) of S_f; the tasks with
@@ -39,7 +39,9 @@ constexpr int kPitch = 52;                                       // = 4 (mod 16)
                                                                  // 16 (sample, channel) pairs of a
                                                                  // half-warp fall in distinct banks
 constexpr int kMaxLags = 5;
-constexpr int kMmaK = 8;  // mma.m16n8k8: half the instructions of k4 (254.7 against 272.1 us per seed call)
+// The MMA's K: mma.m16n8k8 issues half the instructions of m16n8k4 (the seed call's W stage
+// took 254.7 us against 272.1 with it, docs/performance.md).
+constexpr int kMmaK = 8;
 
 struct MmaArgs {
   const float2* x;     // [Ld, Lh, Lwf, B, Ci]
@@ -49,23 +51,15 @@ struct MmaArgs {
   int tiles_q, blocks_per_row;
 };
 
-// d += a b, a 16 x K by K x 8 product on the float64 tensor cores (PTX ISA, mma.m16n8kK
+// d += a b, a 16 x 8 by 8 x 8 product on the float64 tensor cores (PTX ISA, mma.m16n8k8
 // .f64): a[v] is row lane/4 + 8 (v % 2), column lane%4 + 4 (v / 2); b[v] row lane%4 + 4 v,
 // column lane/4; d0, d1 row lane/4, columns 2 (lane%4) and + 1; d2, d3 8 rows below.
-template <int K>
-__device__ __forceinline__ void mma_f64(double (&d)[4], const double (&a)[K / 2], const double (&b)[K / 4]) {
+__device__ __forceinline__ void mma_f64(double (&d)[4], const double (&a)[kMmaK / 2], const double (&b)[kMmaK / 4]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (K == 4) {
-    asm("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
-        : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
-        : "d"(a[0]), "d"(a[1]), "d"(b[0]));
-  } else {
-    static_assert(K == 8, "k 4 or 8");
-    asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
-        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
-  }
+  asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+      : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
 #else
   __trap();  // cross_spectrum_mma_supported keeps other architectures out
 #endif
@@ -87,8 +81,8 @@ __device__ __forceinline__ void locate(int y, int tiles_q, int& p, int& q0) {
 // this thread's (sample lane%4, staged channel lane/4); col: where the warp's columns start
 // past that; every other offset is a constant, so each load is one instruction. samples: the
 // step's samples (the staged ones past them are zeros, and only the MMAs that reach one run).
-template <int K>
 __device__ __forceinline__ void add_step(const double* xs, int col, int samples, double (&re)[4], double (&im)[4]) {
+  constexpr int K = kMmaK;
   constexpr int kIm = kSamples * kPitch;  // the imaginary plane, after the real one
 #pragma unroll 1
   for (int k0 = 0; k0 < samples; k0 += K) {
@@ -105,12 +99,12 @@ __device__ __forceinline__ void add_step(const double* xs, int col, int samples,
       vr[v] = xs[at];
       vi[v] = xs[kIm + at];
     }
-    mma_f64<K>(re, ur, vr);
-    mma_f64<K>(re, ui, vi);
-    mma_f64<K>(im, ur, vi);
+    mma_f64(re, ur, vr);
+    mma_f64(re, ui, vi);
+    mma_f64(im, ur, vi);
 #pragma unroll
     for (int v = 0; v < K / 2; ++v) ui[v] = -ui[v];
-    mma_f64<K>(im, ui, vr);
+    mma_f64(im, ui, vr);
   }
 }
 
@@ -126,7 +120,6 @@ static_assert(kSamples * kStaged % (2 * kThreads) == 0, "a step's pieces split e
 
 template <int kLags>
 __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs a) {
-  constexpr int K = kMmaK;
   __shared__ __align__(16) Smem st;
   const int64_t row = blockIdx.x / a.blocks_per_row;  // (fd - fd0) Lh + fh
   int p, q0;
@@ -193,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
       __syncthreads();
       if (++next_chunk == chunks) next_chunk = 0, ++next_fw;
       if (next_fw < lwf) load(next_fw, next_chunk);
-      if (active) add_step<K>(&st.x[buf][0][t4][g], col, min(batch - chunk * kSamples, kSamples), re, im);
+      if (active) add_step(&st.x[buf][0][t4][g], col, min(batch - chunk * kSamples, kSamples), re, im);
     }
     if (active && (!dc_row || fw != 0)) {
 #pragma unroll
@@ -234,9 +227,11 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
 bool cross_spectrum_mma_supported(const at::Tensor& x_spec, int64_t groups) {
   // The staging reads 16-byte pieces of two channels: an even group size (so Ci is even
   // and every group starts a piece) and a 16-byte aligned spectrum.
+  // Its staging offsets within a step (kSamples samples of Ci values, in bytes) are int.
   const int64_t cig = x_spec.size(4) / groups;
   if (x_spec.scalar_type() != at::kComplexFloat || cig % 2 != 0 ||
-      reinterpret_cast<std::uintptr_t>(x_spec.data_ptr()) % 16 != 0) {
+      reinterpret_cast<std::uintptr_t>(x_spec.data_ptr()) % 16 != 0 ||
+      x_spec.size(4) * kSamples * 8 >= (int64_t(1) << 31) || x_spec.size(3) >= (int64_t(1) << 31)) {
     return false;
   }
   // The binary that runs on this device must come from compute_90 or later: a PTX of an
@@ -273,7 +268,7 @@ void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t
   int64_t per_row = 0;
   for (int64_t p = 0; 2 * p < tiles_q; ++p) per_row += (tiles_q - 2 * p + kWarps - 1) / kWarps;
   const int64_t rows = count * a.lh;
-  TORCH_CHECK(rows * per_row < (int64_t(1) << 31) && groups < 65536 && a.batch * a.ci < (int64_t(1) << 31),
+  TORCH_CHECK(rows * per_row < (int64_t(1) << 31) && groups < 65536,
               "ct_bn_pool: problem too large for the cross-spectrum path's W stage (", to_str(rows), " rows, ",
               to_str(per_row), " blocks per row, ", to_str(groups), " groups)");
   a.tiles_q = static_cast<int>(tiles_q);
