@@ -258,6 +258,22 @@ def test_cross_spectrum_w_stage_kernels(problem, w_stage, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cross_spectrum_refuses_an_unknown_w_stage(monkeypatch):
+    """FUSED_OPS_W_STAGE takes `auto` or `simt`; anything else is an error naming it, and
+    the running statistics and the batch count are left as they were."""
+    monkeypatch.setenv("FUSED_OPS_W_STAGE", "tensor_cores")
+    p = Problem(2, 8, 4, (3, 4, 5), (2, 2, 2))
+    _, fused = make_models(p, torch.float32, "cuda", algo="cross_spectrum")
+    fused.train()
+    bn = fused.batch_norm
+    before = [t.clone() for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+    with torch.no_grad(), pytest.raises(RuntimeError, match="FUSED_OPS_W_STAGE"):
+        fused(make_input(p, torch.float32, "cuda"))
+    for old, now in zip(before, (bn.running_mean, bn.running_var, bn.num_batches_tracked)):
+        assert torch.equal(old, now)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("algo", ALGOS)
 def test_no_host_sync_on_cuda(algo):
     """Every table (phases, lags, sub-kernels) is built on the device: nothing waits."""

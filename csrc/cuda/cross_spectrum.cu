@@ -271,10 +271,14 @@ void launch_rows(const RowsArgs& a, dim3 grid) {
 }
 
 // FUSED_OPS_W_STAGE=simt: this file's kernel for float32 spectra on sm_90 too, where
-// cross_spectrum_mma.cu runs otherwise (the tests run both there). Read at every call.
+// cross_spectrum_mma.cu runs otherwise (the tests run both there); unset, empty or `auto`:
+// the default. Read at every call.
 bool simt_forced() {
   const char* v = std::getenv("FUSED_OPS_W_STAGE");
-  return v != nullptr && std::strcmp(v, "simt") == 0;
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return false;
+  TORCH_CHECK(std::strcmp(v, "simt") == 0, "ct_bn_pool: FUSED_OPS_W_STAGE must be 'auto' or 'simt', got '", v,
+              "'");
+  return true;
 }
 
 }  // namespace

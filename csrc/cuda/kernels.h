@@ -51,7 +51,8 @@ void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& 
 at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);
 // Whether cross_spectrum_rows_mma_cuda runs for this spectrum: complex64, groups of an
-// even number of channels, a binary of compute_90 or later on its device.
+// even number of channels, a binary of compute_90 or later on its device, sizes its int
+// offsets hold.
 bool cross_spectrum_mma_supported(const at::Tensor& x_spec, int64_t groups);
 // Writes q [count, Lh, lags, G, Cig, Cig] complex64 (coef: complex64, contiguous).
 void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count, const at::Tensor& coef,
