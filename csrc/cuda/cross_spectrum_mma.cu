@@ -118,7 +118,9 @@ struct Smem {
 constexpr int kPieces = kSamples * kStaged / 2 / kThreads;  // 3
 static_assert(kSamples * kStaged % (2 * kThreads) == 0, "a step's pieces split evenly over the threads");
 
-template <int kLags>
+// kLag0Real: the launch's first lag is lag 0, whose coefficients are real (c_fw exp(0),
+// docs/math.md §3.5), so its sums B and D stay 0: 8 multiply-adds and 8 registers fewer.
+template <int kLags, bool kLag0Real>
 __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs a) {
   __shared__ __align__(16) Smem st;
   const int64_t row = blockIdx.x / a.blocks_per_row;  // (fd - fd0) Lh + fh
@@ -197,6 +199,7 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
           const float sr = static_cast<float>(re[e]), si = static_cast<float>(im[e]);
           acc[e][m].x = fmaf(w.x, sr, acc[e][m].x);
           acc[e][m].y = fmaf(w.x, si, acc[e][m].y);
+          if (kLag0Real && m == 0) continue;
           mir[e][m].x = fmaf(w.y, si, mir[e][m].x);
           mir[e][m].y = fmaf(w.y, sr, mir[e][m].y);
         }
@@ -222,6 +225,24 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
   }
 }
 
+// The smallest register budget of lags that holds the launch's (2 or kMaxLags).
+template <int kLags>
+void launch(const MmaArgs& a, dim3 grid, cudaStream_t stream) {
+  if (a.lag0 == 0) {
+    cross_spectrum_mma_kernel<kLags, true><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    cross_spectrum_mma_kernel<kLags, false><<<grid, kThreads, 0, stream>>>(a);
+  }
+}
+
+void launch(const MmaArgs& a, dim3 grid, cudaStream_t stream) {
+  if (a.lags <= 2) {
+    launch<2>(a, grid, stream);
+  } else {
+    launch<kMaxLags>(a, grid, stream);
+  }
+}
+
 }  // namespace
 
 bool cross_spectrum_mma_supported(const at::Tensor& x_spec, int64_t groups) {
@@ -244,7 +265,7 @@ bool cross_spectrum_mma_supported(const at::Tensor& x_spec, int64_t groups) {
   if (ptx_version[device] == 0) {
     const c10::cuda::CUDAGuard guard(x_spec.device());
     cudaFuncAttributes attr;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, cross_spectrum_mma_kernel<kMaxLags>));
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, cross_spectrum_mma_kernel<kMaxLags, true>));
     ptx_version[device] = attr.ptxVersion;
   }
   return ptx_version[device] >= 90;
@@ -277,11 +298,7 @@ void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (a.lag0 = 0; a.lag0 < a.lags_total; a.lag0 += kMaxLags) {
     a.lags = std::min<int64_t>(kMaxLags, a.lags_total - a.lag0);
-    if (a.lags <= 2) {
-      cross_spectrum_mma_kernel<2><<<grid, kThreads, 0, stream>>>(a);
-    } else {
-      cross_spectrum_mma_kernel<kMaxLags><<<grid, kThreads, 0, stream>>>(a);
-    }
+    launch(a, grid, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
