@@ -83,9 +83,10 @@ fi
 if want ncu-cross; then
   step ncu-cross
   # The seed call's largest kernels on the cross-spectrum path (docs/performance.md: W stage,
-  # x's plane DFT, H stage) and t8c32's direct kernel: where their warps stall, instruction
-  # mix, and the source lines that stall most (the next tuning starts from these).
-  for k in cross_spectrum_kernel plane_dft_kernel lag_stage_kernel energy_direct_kernel; do
+  # on sm_90 cross_spectrum_mma_kernel; x's plane DFT, H stage) and t8c32's direct kernel:
+  # where their warps stall, instruction mix, and the source lines that stall most (the next
+  # tuning starts from these).
+  for k in cross_spectrum_mma_kernel plane_dft_kernel lag_stage_kernel energy_direct_kernel; do
     args=(train contiguous cross_spectrum); [[ $k == energy_direct_kernel ]] && args=(train contiguous direct --problem t8c32)
     (cd /tmp && timeout 150 ncu --kernel-name "regex:$k" --launch-skip 3 --launch-count 1 --import-source yes \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
