@@ -76,36 +76,43 @@ __device__ __forceinline__ void locate(int y, int tiles_q, int& p, int& q0) {
   q0 = 2 * p + kWarps * y;
 }
 
-// re + i im += S of one staged step for the warp's task: conj(u) v = (ur vr + ui vi) + i (ur vi - ui vr),
-// u the block's row channels, v the warp's 8 column channels. xs: the step's real plane at
-// this thread's (sample lane%4, staged channel lane/4); col: where the warp's columns start
-// past that; every other offset is a constant, so each load is one instruction. samples: the
-// step's samples (the staged ones past them are zeros, and only the MMAs that reach one run).
-__device__ __forceinline__ void add_step(const double* xs, int col, int samples, double (&re)[4], double (&im)[4]) {
+// re + i im += S of samples k0 .. k0 + K - 1 of a staged step for the warp's task:
+// conj(u) v = (ur vr + ui vi) + i (ur vi - ui vr), u the block's row channels, v the warp's 8
+// column channels. xs: the step's real plane at this thread's (sample lane%4, staged channel
+// lane/4); col: where the warp's columns start past that; every other offset is a constant,
+// so each load is one instruction.
+template <int k0>
+__device__ __forceinline__ void add_samples(const double* xs, int col, double (&re)[4], double (&im)[4]) {
   constexpr int K = kMmaK;
   constexpr int kIm = kSamples * kPitch;  // the imaginary plane, after the real one
-#pragma unroll 1
-  for (int k0 = 0; k0 < samples; k0 += K) {
-    double ur[K / 2], ui[K / 2], vr[K / 4], vi[K / 4];
+  double ur[K / 2], ui[K / 2], vr[K / 4], vi[K / 4];
 #pragma unroll
-    for (int v = 0; v < K / 2; ++v) {
-      const int at = (k0 + 4 * (v / 2)) * kPitch + 8 * (v % 2);
-      ur[v] = xs[at];
-      ui[v] = xs[kIm + at];
-    }
-#pragma unroll
-    for (int v = 0; v < K / 4; ++v) {
-      const int at = (k0 + 4 * v) * kPitch + col;
-      vr[v] = xs[at];
-      vi[v] = xs[kIm + at];
-    }
-    mma_f64(re, ur, vr);
-    mma_f64(re, ui, vi);
-    mma_f64(im, ur, vi);
-#pragma unroll
-    for (int v = 0; v < K / 2; ++v) ui[v] = -ui[v];
-    mma_f64(im, ui, vr);
+  for (int v = 0; v < K / 2; ++v) {
+    const int at = (k0 + 4 * (v / 2)) * kPitch + 8 * (v % 2);
+    ur[v] = xs[at];
+    ui[v] = xs[kIm + at];
   }
+#pragma unroll
+  for (int v = 0; v < K / 4; ++v) {
+    const int at = (k0 + 4 * v) * kPitch + col;
+    vr[v] = xs[at];
+    vi[v] = xs[kIm + at];
+  }
+  mma_f64(re, ur, vr);
+  mma_f64(re, ui, vi);
+  mma_f64(im, ur, vi);
+#pragma unroll
+  for (int v = 0; v < K / 2; ++v) ui[v] = -ui[v];
+  mma_f64(im, ui, vr);
+}
+
+// The step's samples (the staged ones past them are zeros): the second MMA step runs only
+// where one reaches it. Two explicit steps instead of a loop: their offsets are constants
+// (a loop kept unrolled would hold both steps' operands, past the register budget).
+static_assert(kSamples == 2 * kMmaK, "a staged step is two MMA steps");
+__device__ __forceinline__ void add_step(const double* xs, int col, int samples, double (&re)[4], double (&im)[4]) {
+  add_samples<0>(xs, col, re, im);
+  if (samples > kMmaK) add_samples<kMmaK>(xs, col, re, im);
 }
 
 struct Smem {
