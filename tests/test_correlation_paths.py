@@ -203,6 +203,23 @@ def test_auto_on_cuda_at_stride_1_weighs_the_cross_spectrum(batch, size, expecte
         assert relerr(out, ref(x.double())) <= 1e-6
 
 
+def cross_spectrum_step_kernels(problem):
+    """One float32 training step of `problem` on CUDA with cross_spectrum, checked against
+    float64 (output and running statistics); the names of the kernels it ran."""
+    ref, fused = make_models(problem, torch.float32, "cuda", algo="cross_spectrum")
+    ref.train()
+    fused.train()
+    x = make_input(problem, torch.float32, "cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fused(x)
+        torch.cuda.synchronize()
+    with torch.no_grad():
+        assert relerr(out, ref(x.double().cpu())) <= 1e-6
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
+    return [e.name for e in prof.events()]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("batch, d_stages", [(8, 1), (1, 14)], ids=["kept", "per-chunk"])
 def test_cross_spectrum_keeps_the_h_stage_output_where_x_spectrum_is_larger(batch, d_stages):
@@ -210,20 +227,9 @@ def test_cross_spectrum_keeps_the_h_stage_output_where_x_spectrum_is_larger(batc
     output (41 MB here, whatever the batch) is kept for one D stage where x's spectrum is
     at least as large (batch 8: 45 MB, 2 chunks), else the D stage runs per chunk (batch 1:
     5.7 MB, 14 chunks). Both against float64."""
-    p = Problem(batch, 64, 8, (40, 20, 20), (3, 3, 3))
-    ref, fused = make_models(p, torch.float32, "cuda", algo="cross_spectrum")
-    ref.train()
-    fused.train()
-    x = make_input(p, torch.float32, "cuda")
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = fused(x)
-        torch.cuda.synchronize()
+    names = cross_spectrum_step_kernels(Problem(batch, 64, 8, (40, 20, 20), (3, 3, 3)))
     # the D stage is the lag stage over float64 sums (the H stage's input is x's dtype)
-    assert sum("lag_stage_kernel<double2" in e.name for e in prof.events()) == d_stages
-    with torch.no_grad():
-        assert relerr(out, ref(x.double().cpu())) <= 1e-6
-    for name in ("running_mean", "running_var"):
-        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
+    assert sum("lag_stage_kernel<double2" in n for n in names) == d_stages
 
 
 # The W stage's cases (tests above): tiles past the channels, lag launches of 5 and 2,
@@ -244,22 +250,11 @@ def test_cross_spectrum_w_stage_kernels(problem, w_stage, monkeypatch):
     named."""
     if w_stage == "simt":
         monkeypatch.setenv("FUSED_OPS_W_STAGE", "simt")
-    ref, fused = make_models(problem, torch.float32, "cuda", algo="cross_spectrum")
-    ref.train()
-    fused.train()
-    x = make_input(problem, torch.float32, "cuda")
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = fused(x)
-        torch.cuda.synchronize()
+    names = cross_spectrum_step_kernels(problem)
     group_channels = problem.in_channels // problem.conv_kwargs.get("groups", 1)
     mma = w_stage == "default" and torch.cuda.get_device_capability()[0] >= 9 and group_channels % 2 == 0
-    names = [e.name for e in prof.events()]
     assert any("cross_spectrum_mma_kernel" in n for n in names) == mma
     assert any("cross_spectrum_kernel<float" in n for n in names) == (not mma)
-    with torch.no_grad():
-        assert relerr(out, ref(x.double().cpu())) <= 1e-6
-    for name in ("running_mean", "running_var"):
-        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
