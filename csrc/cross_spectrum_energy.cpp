@@ -159,12 +159,13 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   // the same GPU time, 8 MiB less peak memory (docs/performance.md, 22:48-22:54 UTC runs).
   const int64_t chunks = (grid[0] + most - 1) / most, chunk = (grid[0] + chunks - 1) / chunks;
   const bool deferred = keep_h_stage_output(chunks, grid[0] * mh * columns * coef_h.element_size(), x_spec);
+  const at::Tensor coef_w_x = coef_w.to(x_spec.scalar_type());  // once, not per chunk
   const at::Tensor p_all = deferred ? at::empty({grid[0], mh, columns}, coef_h.options()) : at::Tensor();
   at::Tensor r = deferred ? at::empty({1, md, mh * columns}, coef_d.options())
                           : at::zeros({1, md, mh * columns}, coef_d.options());
   for (int64_t fd0 = 0; fd0 < grid[0]; fd0 += chunk) {
     const int64_t n = std::min(chunk, grid[0] - fd0);
-    const at::Tensor q = backend.cross_spectrum_rows(x_spec, fd0, n, coef_w, groups);
+    const at::Tensor q = backend.cross_spectrum_rows(x_spec, fd0, n, coef_w_x, groups);
     at::Tensor p = deferred ? p_all.narrow(0, fd0, n) : at::empty({n, mh, columns}, coef_h.options());
     backend.lag_stage(q.view({n, grid[1], columns}), coef_h, p, false);
     if (!deferred) backend.lag_stage(p.view({1, n, mh * columns}), coef_d.narrow(0, fd0, n), r, true);

@@ -1,5 +1,6 @@
 """A numpy model of csrc/cuda/x_spectrum_dft.cu's arithmetic (its tables as build_tables
-lays them out, the H stage's split by a radix of 4, 2 or 1 with split_outputs' butterflies,
+lays them out, the W stage's split by 2 of a real row, the H stage's split by a radix of 4,
+2 or 1 with split_outputs' butterflies,
 the D stage's radix 2), checked against numpy's rfftn on small shapes, including H not a
 multiple of the radix. It checks the index algebra of the kernels' tables, not the kernels:
 only the CUDA tests on a GPU do that.
@@ -29,11 +30,32 @@ def split_outputs(radix, z, twiddles, rows, j):
     return [s02 + s13, d02 - 1j * d13, s02 - s13, d02 + 1j * d13]
 
 
+def w_stage(rows, lw):
+    """plane_dft's W stage: the real DFT of each row to Lw / 2 + 1 bins; split by 2 where Lw is
+    even, only the bins k <= L2 / 2 (L2 = Lw / 2) of the sums E (even w) and O (odd w), each k
+    giving X(k) = E + t^k O and X(L2 - k) = conj(E - t^k O)."""
+    w = rows.shape[1]
+    lwf = lw // 2 + 1
+    radix, l2, cols = axis(lw, w, 2)
+    if radix == 1:
+        return rows @ dft_matrix(lw, w, 1, lwf)
+    bins = l2 // 2 + 1
+    padded = np.zeros((rows.shape[0], cols * radix))
+    padded[:, :w] = rows  # the kernel's zero pad column for odd W
+    table = dft_matrix(lw, cols, radix, bins)
+    e, o = padded[:, 0::2] @ table, (padded[:, 1::2] @ table) * dft_matrix(lw, 2, 1, bins)[1]
+    out = np.zeros((rows.shape[0], lwf), complex)
+    for k in range(bins):
+        out[:, k] = e[:, k] + o[:, k]
+        out[:, l2 - k] = np.conj(e[:, k] - o[:, k])
+    return out
+
+
 def spectrum(x, grid):
     d, h, w = x.shape
     ld, lh, lw = grid
     lwf = lw // 2 + 1
-    plane = (x.reshape(d * h, w) @ dft_matrix(lw, w, 1, lwf)).reshape(d, h, lwf)
+    plane = w_stage(x.reshape(d * h, w), lw).reshape(d, h, lwf)
     radix, rows, cols = axis(lh, h, 4)
     table = dft_matrix(lh, rows, radix, cols)
     twiddles = dft_matrix(lh, radix, 1, rows)[1:].reshape(-1)
@@ -60,8 +82,10 @@ def spectrum(x, grid):
 rng = np.random.default_rng(1)
 for shape, grid in [((4, 7, 6), (6, 8, 8)), ((5, 9, 13), (6, 12, 16)), ((3, 5, 4), (5, 9, 7)),
                     ((2, 6, 5), (4, 10, 9)), ((3, 3, 3), (4, 4, 5)), ((2, 1, 3), (3, 4, 4)),
-                    ((16, 32, 32), (20, 36, 36))]:
+                    ((16, 32, 32), (20, 36, 36)), ((2, 3, 7), (3, 4, 12)), ((2, 3, 6), (3, 4, 6)),
+                    ((2, 3, 1), (3, 4, 2)), ((2, 3, 16), (3, 4, 20))]:
     x = rng.standard_normal(shape)
     err = np.abs(spectrum(x, grid) - np.fft.rfftn(x, s=grid, axes=(0, 1, 2))).max()
-    print(shape, grid, "H radix", axis(grid[1], shape[1], 4)[0], f"max error {err:.1e}")
+    print(shape, grid, "W radix", axis(grid[2], shape[2], 2)[0], "H radix", axis(grid[1], shape[1], 4)[0],
+          f"max error {err:.1e}")
     assert err < 1e-9

@@ -76,35 +76,43 @@ __device__ __forceinline__ void locate(int y, int tiles_q, int& p, int& q0) {
   q0 = 2 * p + kWarps * y;
 }
 
-// re + i im += S of one staged step for the warp's task: conj(u) v = (ur vr + ui vi) + i (ur vi - ui vr),
-// u the block's row channels, v the warp's 8 column channels. xs: the step's real plane at
-// this thread's (sample lane%4, staged channel lane/4); col: where the warp's columns start
-// past that; every other offset is a constant, so each load is one instruction.
-__device__ __forceinline__ void add_step(const double* xs, int col, double (&re)[4], double (&im)[4]) {
+// re + i im += S of samples k0 .. k0 + K - 1 of a staged step for the warp's task:
+// conj(u) v = (ur vr + ui vi) + i (ur vi - ui vr), u the block's row channels, v the warp's 8
+// column channels. xs: the step's real plane at this thread's (sample lane%4, staged channel
+// lane/4); col: where the warp's columns start past that; every other offset is a constant,
+// so each load is one instruction.
+template <int k0>
+__device__ __forceinline__ void add_samples(const double* xs, int col, double (&re)[4], double (&im)[4]) {
   constexpr int K = kMmaK;
   constexpr int kIm = kSamples * kPitch;  // the imaginary plane, after the real one
-#pragma unroll 1
-  for (int k0 = 0; k0 < kSamples; k0 += K) {
-    double ur[K / 2], ui[K / 2], vr[K / 4], vi[K / 4];
+  double ur[K / 2], ui[K / 2], vr[K / 4], vi[K / 4];
 #pragma unroll
-    for (int v = 0; v < K / 2; ++v) {
-      const int at = (k0 + 4 * (v / 2)) * kPitch + 8 * (v % 2);
-      ur[v] = xs[at];
-      ui[v] = xs[kIm + at];
-    }
-#pragma unroll
-    for (int v = 0; v < K / 4; ++v) {
-      const int at = (k0 + 4 * v) * kPitch + col;
-      vr[v] = xs[at];
-      vi[v] = xs[kIm + at];
-    }
-    mma_f64(re, ur, vr);
-    mma_f64(re, ui, vi);
-    mma_f64(im, ur, vi);
-#pragma unroll
-    for (int v = 0; v < K / 2; ++v) ui[v] = -ui[v];
-    mma_f64(im, ui, vr);
+  for (int v = 0; v < K / 2; ++v) {
+    const int at = (k0 + 4 * (v / 2)) * kPitch + 8 * (v % 2);
+    ur[v] = xs[at];
+    ui[v] = xs[kIm + at];
   }
+#pragma unroll
+  for (int v = 0; v < K / 4; ++v) {
+    const int at = (k0 + 4 * v) * kPitch + col;
+    vr[v] = xs[at];
+    vi[v] = xs[kIm + at];
+  }
+  mma_f64(re, ur, vr);
+  mma_f64(re, ui, vi);
+  mma_f64(im, ur, vi);
+#pragma unroll
+  for (int v = 0; v < K / 2; ++v) ui[v] = -ui[v];
+  mma_f64(im, ui, vr);
+}
+
+// The step's samples (the staged ones past them are zeros): the second MMA step runs only
+// where one reaches it. Two explicit steps instead of a loop: their offsets are constants
+// (a loop kept unrolled would hold both steps' operands, past the register budget).
+static_assert(kSamples == 2 * kMmaK, "a staged step is two MMA steps");
+__device__ __forceinline__ void add_step(const double* xs, int col, int samples, double (&re)[4], double (&im)[4]) {
+  add_samples<0>(xs, col, re, im);
+  if (samples > kMmaK) add_samples<kMmaK>(xs, col, re, im);
 }
 
 struct Smem {
@@ -117,7 +125,9 @@ struct Smem {
 constexpr int kPieces = kSamples * kStaged / 2 / kThreads;  // 3
 static_assert(kSamples * kStaged % (2 * kThreads) == 0, "a step's pieces split evenly over the threads");
 
-template <int kLags>
+// kLag0Real: the launch's first lag is lag 0, whose coefficients are real (c_fw exp(0),
+// docs/math.md §3.5), so its sums B and D stay 0: 8 multiply-adds and 8 registers fewer.
+template <int kLags, bool kLag0Real>
 __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs a) {
   __shared__ __align__(16) Smem st;
   const int64_t row = blockIdx.x / a.blocks_per_row;  // (fd - fd0) Lh + fh
@@ -185,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
       __syncthreads();
       if (++next_chunk == chunks) next_chunk = 0, ++next_fw;
       if (next_fw < lwf) load(next_fw, next_chunk);
-      if (active) add_step(&st.x[buf][0][t4][g], col, re, im);
+      if (active) add_step(&st.x[buf][0][t4][g], col, min(batch - chunk * kSamples, kSamples), re, im);
     }
     if (active && (!dc_row || fw != 0)) {
 #pragma unroll
@@ -196,6 +206,7 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
           const float sr = static_cast<float>(re[e]), si = static_cast<float>(im[e]);
           acc[e][m].x = fmaf(w.x, sr, acc[e][m].x);
           acc[e][m].y = fmaf(w.x, si, acc[e][m].y);
+          if (kLag0Real && m == 0) continue;
           mir[e][m].x = fmaf(w.y, si, mir[e][m].x);
           mir[e][m].y = fmaf(w.y, sr, mir[e][m].y);
         }
@@ -221,6 +232,24 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
   }
 }
 
+// The smallest register budget of lags that holds the launch's (2 or kMaxLags).
+template <int kLags>
+void launch(const MmaArgs& a, dim3 grid, cudaStream_t stream) {
+  if (a.lag0 == 0) {
+    cross_spectrum_mma_kernel<kLags, true><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    cross_spectrum_mma_kernel<kLags, false><<<grid, kThreads, 0, stream>>>(a);
+  }
+}
+
+void launch(const MmaArgs& a, dim3 grid, cudaStream_t stream) {
+  if (a.lags <= 2) {
+    launch<2>(a, grid, stream);
+  } else {
+    launch<kMaxLags>(a, grid, stream);
+  }
+}
+
 }  // namespace
 
 bool cross_spectrum_mma_supported(const at::Tensor& x_spec, int64_t groups) {
@@ -243,7 +272,7 @@ bool cross_spectrum_mma_supported(const at::Tensor& x_spec, int64_t groups) {
   if (ptx_version[device] == 0) {
     const c10::cuda::CUDAGuard guard(x_spec.device());
     cudaFuncAttributes attr;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, cross_spectrum_mma_kernel<kMaxLags>));
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, cross_spectrum_mma_kernel<kMaxLags, true>));
     ptx_version[device] = attr.ptxVersion;
   }
   return ptx_version[device] >= 90;
@@ -276,11 +305,7 @@ void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (a.lag0 = 0; a.lag0 < a.lags_total; a.lag0 += kMaxLags) {
     a.lags = std::min<int64_t>(kMaxLags, a.lags_total - a.lag0);
-    if (a.lags <= 2) {
-      cross_spectrum_mma_kernel<2><<<grid, kThreads, 0, stream>>>(a);
-    } else {
-      cross_spectrum_mma_kernel<kMaxLags><<<grid, kThreads, 0, stream>>>(a);
-    }
+    launch(a, grid, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }

@@ -9,8 +9,8 @@
 //   depth_dft:  one thread per (b, fh, fw, ci): the DFT over D, written into the
 //               spectrum's [Ld, Lh, Lwf, B, Ci].
 // t is a slice of the batch small enough to stay in L2 between the two. Where an axis's
-// grid is even, its complex DFT is split once by its inputs' index modulo 2 (H: 4 where the
-// grid allows): 1/2 (1/4) of the multiply-adds, then an R-point butterfly per R outputs.
+// grid is even, its DFT is split once by its inputs' index modulo 2 (H: 4 where the grid
+// allows): 1/2 (1/4) of the multiply-adds, then an R-point butterfly per R outputs.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -139,15 +139,20 @@ at::Tensor axis_table(const AxisDft& axis, const at::TensorOptions& opts) {
 }
 
 // Sizes of one problem's transforms and where their tables sit in one flat tensor
-// of x's complex dtype: W [w, fw] (bins padded to whole tiles), H [rows, cols] then its
-// twiddles, D [cols, rows] (rows padded to whole passes of depth_dft) then its twiddles.
+// of x's complex dtype: W [cols, bins] then its twiddles (bins padded to whole tiles), H
+// [rows, cols] then its twiddles, D [cols, rows] (rows padded to whole passes of depth_dft)
+// then its twiddles.
 struct Plan {
-  int64_t d, h, w, ld, lh, lw, lwf, lwf_pad;
-  AxisDft axis_h, axis_d;
+  int64_t d, h, w, ld, lh, lw, lwf;
+  AxisDft axis_w, axis_h, axis_d;
+  // W's bins: x is real, so its sums past the middle of their rows are conjugates of those
+  // before it (w_stage).
+  int64_t w_bins, w_bins_pad;
   int64_t h_rows_pad;  // H's input rows in shared memory: a multiple of its radix
   int64_t depth_tile;  // depth_dft's accumulator rows per pass (its template)
   int64_t depth_rows_pad;
   int64_t d_off;  // in complex entries: W's and H's tables come first, adjacent
+  int64_t w_table() const { return (axis_w.columns() + axis_w.radix - 1) * w_bins_pad; }
   int64_t h_table() const { return axis_h.rows() * axis_h.columns() + axis_h.twiddles(); }
   int64_t d_table() const { return axis_d.columns() * depth_rows_pad + (axis_d.radix2() ? depth_rows_pad : 0); }
 };
@@ -158,7 +163,9 @@ Plan make_plan(const at::Tensor& x, const int64_t grid[3]) {
   Plan p;
   p.d = x.size(2), p.h = x.size(3), p.w = x.size(4);
   p.ld = grid[0], p.lh = grid[1], p.lw = grid[2], p.lwf = grid[2] / 2 + 1;
-  p.lwf_pad = (p.lwf + kBinTile - 1) / kBinTile * kBinTile;
+  p.axis_w = axis_dft(p.lw, p.w, 2);
+  p.w_bins = p.axis_w.rows() / 2 + 1;
+  p.w_bins_pad = (p.w_bins + kBinTile - 1) / kBinTile * kBinTile;
   p.axis_h = axis_dft(p.lh, p.h, 4);
   p.axis_d = axis_dft(p.ld, p.d, 2);  // depth_dft: radix 2 at most
   p.h_rows_pad = p.axis_h.columns() * p.axis_h.radix;
@@ -171,16 +178,23 @@ Plan make_plan(const at::Tensor& x, const int64_t grid[3]) {
     }
   }
   p.depth_rows_pad = (rows + p.depth_tile - 1) / p.depth_tile * p.depth_tile;
-  p.d_off = p.w * p.lwf_pad + p.h_table();
+  p.d_off = p.w_table() + p.h_table();
   return p;
 }
 
+// W's table, flat [cols + R - 1, w_bins_pad]: its split's matrix (AxisDft) transposed, to the
+// w_bins sums of each row that w_stage computes, then their twiddles.
+at::Tensor w_table(const Plan& p, const at::TensorOptions& opts) {
+  const AxisDft& axis = p.axis_w;
+  const at::Tensor twiddles = dft_matrix(axis.grid, axis.radix, 1, p.w_bins, opts).narrow(0, 1, axis.radix - 1);
+  const at::Tensor table = at::cat({dft_matrix(axis.grid, axis.columns(), axis.radix, p.w_bins, opts), twiddles});
+  return at::constant_pad_nd(table, {0, p.w_bins_pad - p.w_bins}).reshape(-1);
+}
+
 at::Tensor build_tables(const Plan& p, const at::TensorOptions& opts, at::ScalarType complex) {
-  const at::Tensor w_table =
-      at::constant_pad_nd(dft_matrix(p.lw, p.w, 1, p.lwf, opts), {0, p.lwf_pad - p.lwf}).reshape(-1);
   const at::Tensor h_table = axis_table(p.axis_h, opts);
   const int64_t pad = p.depth_rows_pad - p.axis_d.rows();
-  std::vector<at::Tensor> parts = {w_table, h_table,
+  std::vector<at::Tensor> parts = {w_table(p, opts), h_table,
                                    at::constant_pad_nd(dft_matrix(p.ld, p.axis_d.rows(), p.axis_d.radix,
                                                                   p.axis_d.columns(), opts)
                                                            .t(),
@@ -197,7 +211,8 @@ struct PlaneArgs {
   void* t;           // [n, D, Lh, Lwf, Ci]
   const void* table; // Plan::tables
   int64_t ci, planes_per_block;
-  int d, h, w, lh, lwf, lwf_pad, h_rows_pad, h_rows, h_cols, slice_stride;
+  int d, h, w, lh, lwf, h_rows_pad, h_rows, h_cols, slice_stride;
+  int w_radix, w_cols, w_bins, w_bins_pad;
   bool vector_loads;  // rows of x are whole 16-byte pieces, 16-byte aligned
 };
 
@@ -249,6 +264,67 @@ __device__ __forceinline__ void split_outputs(C (&z)[kRadix], const C* twiddles,
   }
 }
 
+// The W stage: spec[plane][h][fw] = sum_w x[plane][h][w] exp(-2 pi i fw w / Lw), kRowTile
+// rows (strided by the tile count, so a warp's rows are adjacent) x kBinTile bins per thread;
+// `table`: Plan's W table. Split (kRadix 2, Lw = 2 L2), the sums E over the even w and O over
+// the odd ones are DFTs on L2 of real values, so E(L2 - k) = conj E(k), and likewise O; with
+// t = exp(-2 pi i / Lw), t^(L2 - k) = -conj t^k, so the w_bins = L2 / 2 + 1 sums k give both
+// X(k) = E + t^k O and X(L2 - k) = conj(E - t^k O): about half the direct multiply-adds.
+template <int kRadix, typename T, typename C>
+__device__ __forceinline__ void w_stage(const PlaneArgs& a, const T* rows, int row_pitch, int row_count,
+                                        const C* table, C* spec) {
+  const int row_tiles = (row_count + kRowTile - 1) / kRowTile, bin_tiles = a.w_bins_pad / kBinTile;
+  for (int t = threadIdx.x; t < row_tiles * bin_tiles; t += kThreads) {
+    const int tr = t % row_tiles, k0 = (t / row_tiles) * kBinTile;
+    const T* row[kRowTile];
+#pragma unroll
+    for (int i = 0; i < kRowTile; ++i) row[i] = rows + min(tr + i * row_tiles, row_count - 1) * row_pitch;
+    C acc[kRowTile][kRadix][kBinTile];  // [row][w mod R][bin]
+#pragma unroll
+    for (int i = 0; i < kRowTile; ++i)
+#pragma unroll
+      for (int c = 0; c < kRadix; ++c)
+#pragma unroll
+        for (int j = 0; j < kBinTile; ++j) acc[i][c][j] = C{0, 0};
+    for (int col = 0; col < a.w_cols; ++col) {
+      C f[kBinTile];
+      load_bins(table + col * a.w_bins_pad + k0, f);  // rows of whole tiles: 16-byte aligned
+#pragma unroll
+      for (int i = 0; i < kRowTile; ++i) {
+#pragma unroll
+        for (int c = 0; c < kRadix; ++c) {
+          const T v = row[i][col * kRadix + c];
+#pragma unroll
+          for (int j = 0; j < kBinTile; ++j) {
+            acc[i][c][j].x = fma(v, f[j].x, acc[i][c][j].x);
+            acc[i][c][j].y = fma(v, f[j].y, acc[i][c][j].y);
+          }
+        }
+      }
+    }
+    C twiddles[kBinTile];
+    if constexpr (kRadix == 2) load_bins(table + a.w_cols * a.w_bins_pad + k0, twiddles);
+#pragma unroll
+    for (int i = 0; i < kRowTile; ++i) {
+      const int r = tr + i * row_tiles;
+      if (r >= row_count) continue;
+      C* out = spec + (r / a.h) * a.slice_stride + (r % a.h) * a.lwf;
+#pragma unroll
+      for (int j = 0; j < kBinTile; ++j) {
+        const int k = k0 + j;
+        if (k >= a.w_bins) continue;
+        if constexpr (kRadix == 1) {
+          out[k] = acc[i][0][j];
+        } else {
+          const C e = acc[i][0][j], o = cmul(twiddles[j], acc[i][1][j]);
+          out[k] = C{e.x + o.x, e.y + o.y};
+          if (2 * k != a.lwf - 1) out[a.lwf - 1 - k] = C{e.x - o.x, o.y - e.y};  // L2 even: k = L2 / 2 once
+        }
+      }
+    }
+  }
+}
+
 template <typename T, int kRadix>
 __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   using C = typename ComplexOf<T>::type;
@@ -260,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   const int planes = static_cast<int>(a.ci - ci0 < a.planes_per_block ? a.ci - ci0 : a.planes_per_block);
   // The W and H tables, adjacent in Plan::tables, staged together. Read through L1 instead,
   // plane_dft took 221 us per seed call against 159 (docs/performance.md).
-  const int w_table_n = a.w * a.lwf_pad, h_table_n = a.h_rows * (a.h_cols + kRadix - 1);
+  const int w_table_n = (a.w_cols + a.w_radix - 1) * a.w_bins_pad, h_table_n = a.h_rows * (a.h_cols + kRadix - 1);
   C* w_table = reinterpret_cast<C*>(smem_bytes);
   C* h_table = w_table + w_table_n;
   C* spec = h_table + h_table_n;  // [planes][slice_stride]: the plane's DFT over W, [h, fw]
@@ -280,47 +356,14 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   for (int i = threadIdx.x; i < planes * pad_values; i += kThreads) {
     spec[(i / pad_values) * a.slice_stride + a.h * a.lwf + i % pad_values] = C{0, 0};
   }
+  // W odd: the split W stage reads x in pairs, the last one's odd input past the row: a zero.
+  for (int r = threadIdx.x; r < planes * a.h; r += kThreads) rows[r * row_pitch + a.w] = T(0);
   __syncthreads();
 
-  // W stage: spec[plane][h][fw] = sum_w x[plane][h][w] exp(-2 pi i fw w / Lw), kRowTile
-  // rows (strided by the tile count, so a warp's rows are adjacent) x kBinTile bins per thread.
-  {
-    const int row_count = planes * a.h;
-    const int row_tiles = (row_count + kRowTile - 1) / kRowTile, bin_tiles = a.lwf_pad / kBinTile;
-    for (int t = threadIdx.x; t < row_tiles * bin_tiles; t += kThreads) {
-      const int tr = t % row_tiles, fw0 = (t / row_tiles) * kBinTile;
-      const T* row[kRowTile];
-#pragma unroll
-      for (int i = 0; i < kRowTile; ++i) row[i] = rows + min(tr + i * row_tiles, row_count - 1) * row_pitch;
-      C acc[kRowTile][kBinTile];
-#pragma unroll
-      for (int i = 0; i < kRowTile; ++i)
-#pragma unroll
-        for (int j = 0; j < kBinTile; ++j) acc[i][j] = C{0, 0};
-      for (int w = 0; w < a.w; ++w) {
-        C f[kBinTile];
-        load_bins(w_table + w * a.lwf_pad + fw0, f);  // rows of whole tiles: 16-byte aligned
-#pragma unroll
-        for (int i = 0; i < kRowTile; ++i) {
-          const T v = row[i][w];
-#pragma unroll
-          for (int j = 0; j < kBinTile; ++j) {
-            acc[i][j].x = fma(v, f[j].x, acc[i][j].x);
-            acc[i][j].y = fma(v, f[j].y, acc[i][j].y);
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kRowTile; ++i) {
-        const int r = tr + i * row_tiles;
-        if (r >= row_count) continue;
-        C* out = spec + (r / a.h) * a.slice_stride + (r % a.h) * a.lwf;
-#pragma unroll
-        for (int j = 0; j < kBinTile; ++j) {
-          if (fw0 + j < a.lwf) out[fw0 + j] = acc[i][j];
-        }
-      }
-    }
+  if (a.w_radix == 2) {
+    w_stage<2>(a, rows, row_pitch, planes * a.h, w_table, spec);
+  } else {
+    w_stage<1>(a, rows, row_pitch, planes * a.h, w_table, spec);
   }
   __syncthreads();
 
@@ -492,7 +535,9 @@ PlaneArgs plane_args(const Plan& p, const at::Tensor& tables, const at::Tensor& 
   a.ci = ci;
   a.planes_per_block = planes;
   a.d = static_cast<int>(p.d), a.h = static_cast<int>(p.h), a.w = static_cast<int>(p.w);
-  a.lh = static_cast<int>(p.lh), a.lwf = static_cast<int>(p.lwf), a.lwf_pad = static_cast<int>(p.lwf_pad);
+  a.lh = static_cast<int>(p.lh), a.lwf = static_cast<int>(p.lwf);
+  a.w_radix = static_cast<int>(p.axis_w.radix), a.w_cols = static_cast<int>(p.axis_w.columns());
+  a.w_bins = static_cast<int>(p.w_bins), a.w_bins_pad = static_cast<int>(p.w_bins_pad);
   a.h_rows_pad = static_cast<int>(p.h_rows_pad);
   a.h_rows = static_cast<int>(p.axis_h.rows()), a.h_cols = static_cast<int>(p.axis_h.columns());
   a.slice_stride = static_cast<int>(plane_slice_stride(p.h_rows_pad, p.lwf));
