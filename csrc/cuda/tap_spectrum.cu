@@ -1,0 +1,115 @@
+// The sub-kernels' spectra on the grid M of the cross-spectrum path's contraction
+// (docs/math.md §3.5): W(b) = sum_k E_d[b_d, k_d] E_h[b_h, k_h] E_w[b_w, k_w] taps[k], one
+// dim at a time. Why: as one float64 GEMM with the product of the three tables it was
+// k'd k'h k'w multiply-adds per bin and column (seed: 830M, 58 us per call on the H200,
+// docs/performance.md); per dim it is about a fifth of that. A thread takes one column and
+// one depth bin b_d: its sums over k_d for every (k_h, k_w) in shared memory (its own
+// slice: no other thread reads it), then per b_h the k_w values over k_h in registers, and
+// per b_w the output, written coalesced along the columns.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/kernels.h"
+#include "cuda/spectrum_common.cuh"
+#include "message.h"
+
+namespace fused_ops {
+namespace {
+
+constexpr int kThreads = 64;
+constexpr int kMaxKw = 8;         // the k_w values of a b_h live in registers
+constexpr int kMaxPlaneTaps = 48; // k'h k'w: 48 KiB of a block's scratch, the most without opt-in
+
+struct TapArgs {
+  const double* taps;  // [kd, kh, kw, cols]
+  const double2* dft_d;  // [bd, kd]
+  const double2* dft_h;  // [bh, kh]
+  const double2* dft_w;  // [bw, kw]
+  double* out;           // [bd, bh, bw, G, 2, cols / G]
+  int64_t cols, group_cols, groups;
+  int kd, kh, kw, bh, bw;
+};
+
+__global__ void __launch_bounds__(kThreads) tap_spectrum_kernel(TapArgs a) {
+  extern __shared__ double2 plane[];  // [(k_h, k_w)][thread], as large as the launch's k'h k'w need
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (col >= a.cols) return;
+  const int bd = blockIdx.y, plane_taps = a.kh * a.kw;
+  for (int t = 0; t < plane_taps; ++t) {
+    double2 s{0, 0};
+    for (int k = 0; k < a.kd; ++k) {
+      const double v = a.taps[(static_cast<int64_t>(k) * plane_taps + t) * a.cols + col];
+      const double2 e = __ldg(a.dft_d + bd * a.kd + k);
+      s.x = fma(e.x, v, s.x);
+      s.y = fma(e.y, v, s.y);
+    }
+    plane[t * kThreads + threadIdx.x] = s;
+  }
+  const int64_t group = col / a.group_cols, group_col = col % a.group_cols;
+  for (int bh = 0; bh < a.bh; ++bh) {
+    double2 row[kMaxKw];
+#pragma unroll
+    for (int w = 0; w < kMaxKw; ++w) {
+      row[w] = double2{0, 0};
+      if (w >= a.kw) continue;
+      for (int h = 0; h < a.kh; ++h) add_product(row[w], plane[(h * a.kw + w) * kThreads + threadIdx.x], __ldg(a.dft_h + bh * a.kh + h));
+    }
+    for (int bw = 0; bw < a.bw; ++bw) {
+      double2 o{0, 0};
+#pragma unroll
+      for (int w = 0; w < kMaxKw; ++w) {
+        if (w < a.kw) add_product(o, row[w], __ldg(a.dft_w + bw * a.kw + w));
+      }
+      const int64_t bin = (static_cast<int64_t>(bd) * a.bh + bh) * a.bw + bw;
+      double* out = a.out + (bin * a.groups + group) * 2 * a.group_cols + group_col;
+      out[0] = o.x;
+      out[a.group_cols] = o.y;
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
+                             const at::Tensor& dft_w, int64_t groups) {
+  TORCH_CHECK(taps.dim() == 4 && taps.scalar_type() == at::kDouble && taps.size(3) % groups == 0 &&
+                  dft_d.scalar_type() == at::kComplexDouble && dft_h.scalar_type() == at::kComplexDouble &&
+                  dft_w.scalar_type() == at::kComplexDouble && dft_d.size(1) == taps.size(0) &&
+                  dft_h.size(1) == taps.size(1) && dft_w.size(1) == taps.size(2),
+              "ct_bn_pool: tap_spectrum_cuda: inconsistent shapes or dtypes");
+  if (taps.size(2) > kMaxKw || taps.size(1) * taps.size(2) > kMaxPlaneTaps) {
+    return tap_spectrum_aten(taps, dft_d, dft_h, dft_w, groups);
+  }
+  const c10::cuda::CUDAGuard guard(taps.device());
+  const at::Tensor t = taps.contiguous(), ed = dft_d.contiguous(), eh = dft_h.contiguous(),
+                   ew = dft_w.contiguous();
+  TapArgs a;
+  a.cols = t.size(3);
+  a.groups = groups;
+  a.group_cols = a.cols / groups;
+  a.kd = static_cast<int>(t.size(0));
+  a.kh = static_cast<int>(t.size(1));
+  a.kw = static_cast<int>(t.size(2));
+  a.bh = static_cast<int>(eh.size(0));
+  a.bw = static_cast<int>(ew.size(0));
+  const int64_t bd = ed.size(0), col_blocks = (a.cols + kThreads - 1) / kThreads;
+  TORCH_CHECK(col_blocks < (int64_t(1) << 31) && bd < 65536,
+              "ct_bn_pool: problem too large for the sub-kernels' spectra (", to_str(a.cols), " columns, ",
+              to_str(bd), " depth bins)");
+  auto out = at::empty({bd * a.bh * a.bw, groups, 2, a.group_cols}, t.options());
+  a.taps = t.data_ptr<double>();
+  a.dft_d = reinterpret_cast<const double2*>(ed.data_ptr());
+  a.dft_h = reinterpret_cast<const double2*>(eh.data_ptr());
+  a.dft_w = reinterpret_cast<const double2*>(ew.data_ptr());
+  a.out = out.data_ptr<double>();
+  if (out.numel() > 0) {
+    const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(bd));
+    const size_t smem = sizeof(double2) * kThreads * a.kh * a.kw;
+    tap_spectrum_kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return out;
+}
+
+}  // namespace fused_ops
