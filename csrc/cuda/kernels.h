@@ -64,8 +64,8 @@ at::Tensor correlation_blocks_cuda(const at::Tensor& z_hat, const at::Tensor& ph
 // Backend::quad_forms: quad_form.cu, one read of w_hat and v.
 at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
 // Backend::tap_spectrum: tap_spectrum.cu, one thread per column and depth bin; tap_spectrum_aten
-// where a row of taps has more than its kernel's register budget (k'w > 8) or its
-// scratch exceeds the shared memory of a block.
+// where k'h or k'w exceeds 8 (its loops are unrolled to 8) or a block's planes of k'h k'w
+// values per thread exceed 48 KiB of shared memory (k'h k'w >= 48).
 at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
                              const at::Tensor& dft_w, int64_t groups);
 // SpectrumKernels (x_spectrum.h): x_spectrum_dft.cu, and x_spectrum_copies.cu around cuFFT

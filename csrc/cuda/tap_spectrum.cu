@@ -18,11 +18,10 @@ namespace fused_ops {
 namespace {
 
 constexpr int kThreads = 64;
-constexpr int kMaxKw = 8;         // the k_w values of a b_h live in registers
-constexpr int kMaxPlaneTaps = 48; // k'h k'w: 48 KiB of a block's scratch, the most without opt-in
+constexpr int kMaxTaps = 8;  // k'h and k'w: a row's values in registers, loops unrolled to it
 
 struct TapArgs {
-  const double* taps;  // [kd, kh, kw, cols]
+  const double* taps;    // [kd, kh, kw, cols]
   const double2* dft_d;  // [bd, kd]
   const double2* dft_h;  // [bh, kh]
   const double2* dft_w;  // [bw, kw]
@@ -31,35 +30,66 @@ struct TapArgs {
   int kd, kh, kw, bh, bw;
 };
 
+// Shared memory of a block: its threads' planes, then the depth bin's row of dft_d and
+// all of dft_h and dft_w.
+int64_t smem_bytes(int64_t kd, int64_t kh, int64_t kw, int64_t bh, int64_t bw) {
+  return static_cast<int64_t>(sizeof(double2)) * (kh * kw * kThreads + kd + bh * kh + bw * kw);
+}
+
+// s += sum_k e[k] v[k] over the depth taps of (k_h, k_w) = t, their loads issued together
+// (the kernel is latency-bound: one load at a time, it took 135 us per seed call).
+__device__ __forceinline__ double2 depth_sum(const double* taps, int64_t k_stride, int kd, const double2* e) {
+  double2 s{0, 0};
+  for (int k0 = 0; k0 < kd; k0 += kMaxTaps) {
+    double v[kMaxTaps];
+#pragma unroll
+    for (int k = 0; k < kMaxTaps; ++k) v[k] = k0 + k < kd ? taps[(k0 + k) * k_stride] : 0.0;
+#pragma unroll
+    for (int k = 0; k < kMaxTaps; ++k) {
+      if (k0 + k >= kd) break;
+      s.x = fma(e[k0 + k].x, v[k], s.x);
+      s.y = fma(e[k0 + k].y, v[k], s.y);
+    }
+  }
+  return s;
+}
+
 __global__ void __launch_bounds__(kThreads) tap_spectrum_kernel(TapArgs a) {
-  extern __shared__ double2 plane[];  // [(k_h, k_w)][thread], as large as the launch's k'h k'w need
+  extern __shared__ double2 smem[];
+  const int plane_taps = a.kh * a.kw, bd = blockIdx.y;
+  double2* plane = smem;                          // [(k_h, k_w)][thread]
+  double2* e_d = plane + plane_taps * kThreads;   // [kd]
+  double2* e_h = e_d + a.kd;                      // [bh, kh]
+  double2* e_w = e_h + a.bh * a.kh;               // [bw, kw]
+  for (int i = threadIdx.x; i < a.kd; i += kThreads) e_d[i] = a.dft_d[bd * a.kd + i];
+  for (int i = threadIdx.x; i < a.bh * a.kh; i += kThreads) e_h[i] = a.dft_h[i];
+  for (int i = threadIdx.x; i < a.bw * a.kw; i += kThreads) e_w[i] = a.dft_w[i];
+  __syncthreads();
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (col >= a.cols) return;
-  const int bd = blockIdx.y, plane_taps = a.kh * a.kw;
-  for (int t = 0; t < plane_taps; ++t) {
-    double2 s{0, 0};
-    for (int k = 0; k < a.kd; ++k) {
-      const double v = a.taps[(static_cast<int64_t>(k) * plane_taps + t) * a.cols + col];
-      const double2 e = __ldg(a.dft_d + bd * a.kd + k);
-      s.x = fma(e.x, v, s.x);
-      s.y = fma(e.y, v, s.y);
-    }
-    plane[t * kThreads + threadIdx.x] = s;
-  }
+  const double* taps = a.taps + col;
+  const int64_t k_stride = plane_taps * a.cols;
+#pragma unroll 4
+  for (int t = 0; t < plane_taps; ++t) plane[t * kThreads + threadIdx.x] = depth_sum(taps + t * a.cols, k_stride, a.kd, e_d);
   const int64_t group = col / a.group_cols, group_col = col % a.group_cols;
   for (int bh = 0; bh < a.bh; ++bh) {
-    double2 row[kMaxKw];
+    double2 row[kMaxTaps];
 #pragma unroll
-    for (int w = 0; w < kMaxKw; ++w) {
-      row[w] = double2{0, 0};
-      if (w >= a.kw) continue;
-      for (int h = 0; h < a.kh; ++h) add_product(row[w], plane[(h * a.kw + w) * kThreads + threadIdx.x], __ldg(a.dft_h + bh * a.kh + h));
+    for (int w = 0; w < kMaxTaps; ++w) row[w] = double2{0, 0};
+#pragma unroll
+    for (int h = 0; h < kMaxTaps; ++h) {
+      if (h >= a.kh) break;
+      const double2 e = e_h[bh * a.kh + h];
+#pragma unroll
+      for (int w = 0; w < kMaxTaps; ++w) {
+        if (w < a.kw) add_product(row[w], plane[(h * a.kw + w) * kThreads + threadIdx.x], e);
+      }
     }
     for (int bw = 0; bw < a.bw; ++bw) {
       double2 o{0, 0};
 #pragma unroll
-      for (int w = 0; w < kMaxKw; ++w) {
-        if (w < a.kw) add_product(o, row[w], __ldg(a.dft_w + bw * a.kw + w));
+      for (int w = 0; w < kMaxTaps; ++w) {
+        if (w < a.kw) add_product(o, row[w], e_w[bw * a.kw + w]);
       }
       const int64_t bin = (static_cast<int64_t>(bd) * a.bh + bh) * a.bw + bw;
       double* out = a.out + (bin * a.groups + group) * 2 * a.group_cols + group_col;
@@ -78,7 +108,8 @@ at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, co
                   dft_w.scalar_type() == at::kComplexDouble && dft_d.size(1) == taps.size(0) &&
                   dft_h.size(1) == taps.size(1) && dft_w.size(1) == taps.size(2),
               "ct_bn_pool: tap_spectrum_cuda: inconsistent shapes or dtypes");
-  if (taps.size(2) > kMaxKw || taps.size(1) * taps.size(2) > kMaxPlaneTaps) {
+  const int64_t smem = smem_bytes(taps.size(0), taps.size(1), taps.size(2), dft_h.size(0), dft_w.size(0));
+  if (taps.size(1) > kMaxTaps || taps.size(2) > kMaxTaps || smem > (48 << 10)) {
     return tap_spectrum_aten(taps, dft_d, dft_h, dft_w, groups);
   }
   const c10::cuda::CUDAGuard guard(taps.device());
@@ -105,8 +136,7 @@ at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, co
   a.out = out.data_ptr<double>();
   if (out.numel() > 0) {
     const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(bd));
-    const size_t smem = sizeof(double2) * kThreads * a.kh * a.kw;
-    tap_spectrum_kernel<<<grid, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(a);
+    tap_spectrum_kernel<<<grid, kThreads, static_cast<size_t>(smem), at::cuda::getCurrentCUDAStream()>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
