@@ -85,23 +85,12 @@ at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::Tensor
   return lag_phases(size, bins, lags.step[2], m).mul_(mirror_count(size, opts).unsqueeze(1));
 }
 
-// [Md Mh (Mw/2 + 1), 2, k'd k'h k'w] double: the real and imaginary parts of the real
-// DFT on the grid M = 2k' - 1 of a sub-kernel's k' taps per dim, as a matrix: a
-// sub-kernel's spectrum is then one GEMM with it (weight_spectrum). The product of one
-// lag_phases table per dim, conjugated (a forward DFT).
-at::Tensor tap_dft(const Lags& lags, const at::TensorOptions& opts) {
-  at::Tensor dft;  // [nd, nh, nw, kd, kh, kw] complex128
-  for (int d = 0; d < 3; ++d) {
-    const int64_t taps = lags.reach[d] + 1, size = 2 * taps - 1, bins = d == 2 ? size / 2 + 1 : size;
-    std::vector<int64_t> shape(6, 1);
-    shape[d] = bins;
-    shape[d + 3] = taps;
-    const at::Tensor part =
-        lag_phases(size, bins, 1, at::arange(taps, opts.dtype(at::kLong))).conj_physical().view(shape);
-    dft = dft.defined() ? dft * part : part;
-  }
-  const int64_t bins = dft.size(0) * dft.size(1) * dft.size(2);
-  return at::view_as_real(dft.reshape({bins, -1})).permute({0, 2, 1}).contiguous();
+// [bins, k'] complex128: dim d's forward DFT on the grid M = 2k' - 1 of a sub-kernel's k'
+// taps (conjugated lag_phases), M bins for d and h and the M / 2 + 1 of a real DFT for w:
+// a sub-kernel's spectrum is their product over the dims (Backend::tap_spectrum).
+at::Tensor tap_dft(const Lags& lags, int d, const at::TensorOptions& opts) {
+  const int64_t taps = lags.reach[d] + 1, size = 2 * taps - 1, bins = d == 2 ? size / 2 + 1 : size;
+  return lag_phases(size, bins, 1, at::arange(taps, opts.dtype(at::kLong))).conj_physical();
 }
 
 // What the path needs of the geometry alone, on the device (table_cache.h).
@@ -109,7 +98,7 @@ struct Tables {
   at::Tensor coef_w, coef_h, coef_d;  // the W, H and D stages' coefficients (correlation_spectrum)
   at::Tensor blocks;                  // correlation_blocks' phases, [ρw + 1, ρw + 1]
   at::Tensor mirror;                  // phase_energies' mirror counts, [ρw + 1]
-  at::Tensor dft;                     // tap_dft
+  at::Tensor dft[3];                  // tap_dft of each dim
   at::Tensor slots;                   // tap_slots
 };
 
@@ -123,7 +112,7 @@ Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::Te
   t.coef_d = lag_spectrum_phases(grid[0], lags.step[0], lags.reach[0], opts).div_(size);  // R's 1 / |L|
   t.blocks = block_phases(lags.reach[2], opts);
   t.mirror = mirror_count(2 * lags.reach[2] + 1, opts);
-  t.dft = tap_dft(lags, opts);
+  for (int d = 0; d < 3; ++d) t.dft[d] = tap_dft(lags, d, opts);
   t.slots = tap_slots(g, sub, opts.dtype(at::kLong));
   return t;
 }
@@ -174,17 +163,6 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   return backend.correlation_blocks(r.view({md, mh, mw, groups, cig, cig}), tables.blocks);
 }
 
-// The spectra of sub-kernels from their taps [k'd k'h k'w, G Cig columns] double, as
-// [bins, G, 2 Cig, columns] double (a bin's real parts over its imaginary parts, what
-// the real blocks of R^ multiply): one GEMM with tap_dft. ATen's rfftn of the taps
-// zero-padded to M took 176 us of kernels per seed call (three cuFFT passes and two
-// strided copies per chunk), the GEMM 60 us (docs/performance.md, 2026-11-30 16:05-16:39
-// UTC); for one group its product is already in that order.
-at::Tensor weight_spectrum(const at::Tensor& dft, const at::Tensor& taps, int64_t groups) {
-  const at::Tensor planar = at::mm(dft.view({-1, dft.size(2)}), taps);  // [bins, 2, G, Cig columns]
-  return planar.view({dft.size(0), 2, groups, -1}).transpose(1, 2).contiguous();
-}
-
 // [G, Cog] double: sum over the phases r of sum_{m, m'} w_r[:, c, m]^T R'(m - m') w_r[:, c, m'],
 // as (1 / |M|) sum_g W_r(g)^H R^(g) W_r(g) on the grid M = 2k' - 1 per dim, where both
 // DFTs are exact (§3.5). blocks: R^ (correlation_spectrum), in real blocks.
@@ -202,8 +180,9 @@ at::Tensor phase_energies(const Backend& backend, const at::Tensor& blocks, cons
   for (int64_t c0 = 0; c0 < cog; c0 += chunk) {
     const int64_t n = std::min(chunk, cog - c0);
     // [Md, Mh, Mwf, G, 2 Cig, P n]: the order that serves both the GEMM and the quadratic forms.
-    const at::Tensor taps = stack.narrow(6, c0, n).reshape({-1, groups * cig * phases * n});
-    const at::Tensor w_hat = weight_spectrum(tables.dft, taps, groups)
+    const at::Tensor taps =
+        stack.narrow(6, c0, n).reshape({stack.size(0), stack.size(1), stack.size(2), groups * cig * phases * n});
+    const at::Tensor w_hat = backend.tap_spectrum(taps, tables.dft[0], tables.dft[1], tables.dft[2], groups)
                                  .view({blocks.size(0), blocks.size(1), blocks.size(2), groups, 2 * cig, phases * n});
     const at::Tensor quad = backend.quad_forms(w_hat, at::matmul(blocks, w_hat), tables.mirror);
     energy.narrow(2, c0, n).copy_(quad.view({groups, phases, n}));
@@ -243,6 +222,19 @@ at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& ph
 at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror) {
   const at::Tensor quad = at::mul(w_hat, v).sum(4);
   return quad.mul_(mirror.view({1, 1, -1, 1, 1})).sum(at::IntArrayRef{0, 1, 2});
+}
+
+// One dim at a time: k'd k'h k'w (bins_d + bins_h + bins_w)-ish complex products per column
+// where the product of the dims' tables as one matrix (and one GEMM) took bins_d bins_h
+// bins_w k'd k'h k'w, 5.5 times as many on the seed problem (docs/performance.md).
+at::Tensor tap_spectrum_aten(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
+                             const at::Tensor& dft_w, int64_t groups) {
+  const int64_t kd = taps.size(0), kh = taps.size(1), kw = taps.size(2), cols = taps.size(3);
+  const int64_t bd = dft_d.size(0), bh = dft_h.size(0), bw = dft_w.size(0);
+  at::Tensor t = at::matmul(dft_d, taps.reshape({kd, -1}).to(at::kComplexDouble));  // [bd, kh kw cols]
+  t = at::matmul(dft_h, t.view({bd, kh, kw * cols}));                              // [bd, bh, kw cols]
+  t = at::matmul(dft_w, t.view({bd * bh, kw, cols}));                              // [bd bh, bw, cols]
+  return at::view_as_real(t.view({bd * bh * bw, groups, cols / groups})).permute({0, 1, 3, 2}).contiguous();
 }
 
 void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate) {

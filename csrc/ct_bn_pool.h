@@ -94,6 +94,12 @@ struct Backend {
   // w_hat (the sub-kernels' spectra as [Re; Im]) and v [Md, Mh, Mw, G, 2 Cig, C]
   // double, mirror [Mw] double.
   at::Tensor (*quad_forms)(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
+  // The sub-kernels' spectra on the grid M (§3.5): taps [k'd, k'h, k'w, G C] double
+  // (C columns per group) and each dim's forward DFT dft_x [bins_x, k'_x] complex128 (M_x
+  // bins for d and h, M_w / 2 + 1 for w), as [bins, G, 2, C] double: a bin's real parts
+  // over its imaginary parts, the bins (b_d, b_h, b_w) with b_w fastest.
+  at::Tensor (*tap_spectrum)(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
+                             const at::Tensor& dft_w, int64_t groups);
   // x's spectrum's kernels: a DFT without the FFT, or the copies around it (x_spectrum.h).
   SpectrumKernels spectrum_kernels;
 };
@@ -124,6 +130,9 @@ void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out
 // Backend::correlation_blocks and Backend::quad_forms with ATen ops (the CPU's).
 at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& phases);
 at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
+// Backend::tap_spectrum with ATen's GEMMs, one dim at a time (the CPU's).
+at::Tensor tap_spectrum_aten(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
+                             const at::Tensor& dft_w, int64_t groups);
 // The weight as the direct kernel reads it (see conv_transpose_row.h).
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);
 

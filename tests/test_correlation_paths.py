@@ -258,6 +258,23 @@ def test_cross_spectrum_w_stage_kernels(problem, w_stage, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("problem, kernel", [
+    (Problem(3, 6, 5, (3, 4, 5), (2, 3, 4)), True),
+    (Problem(2, 4, 12, (3, 4, 5), (3, 5, 3), conv_kwargs=dict(stride=(1, 2, 1), groups=2)), True),
+    (Problem(3, 6, 10, (4, 4, 3), (2, 3, 8)), True),   # k'w = 8: the kernel's largest
+    (Problem(2, 5, 6, (3, 4, 5), (2, 2, 10)), False),  # k'w = 10: ATen's GEMMs
+    (Problem(2, 3, 4, (2, 8, 8), (1, 7, 7)), False),   # k'h k'w = 49: past its shared memory
+], ids=["k2x3x4", "groups-strided", "kw8", "kw10", "k7x7"])
+def test_cross_spectrum_tap_spectrum_kernel(problem, kernel):
+    """csrc/cuda/tap_spectrum.cu takes the sub-kernels' spectra where k'w <= 8 and a block's
+    planes fit 48 KiB of shared memory (k'h k'w < 48), else ATen's GEMMs one dim at a time
+    (tap_spectrum_aten). Both against float64: the kernel forms half the depth bins and
+    mirrors the rest, so odd and even k'd, k'h and groups are among the cases."""
+    names = cross_spectrum_step_kernels(problem)
+    assert any("tap_spectrum_kernel" in n for n in names) == kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cross_spectrum_refuses_an_unknown_w_stage(monkeypatch):
     """FUSED_OPS_W_STAGE takes `auto` or `simt`; anything else is an error naming it, and
     the running statistics and the batch count are left as they were."""

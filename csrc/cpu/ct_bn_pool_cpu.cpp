@@ -174,6 +174,7 @@ const Backend kCpuBackend = {sample_sums_cpu,      energy_direct_cpu, finalize_c
                              nullptr,              cross_spectrum_rows_aten,
                              lag_stage_aten,       table_stream_cpu,
                              correlation_blocks_aten, quad_forms_aten,
+                             tap_spectrum_aten,
                              kAtenSpectrumKernels};
 
 }  // namespace

@@ -149,6 +149,7 @@ const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, f
                               eval_sample_sums_cuda,       cross_spectrum_rows_cuda,
                               lag_stage_cuda,              table_stream_cuda,
                               correlation_blocks_cuda,     quad_forms_cuda,
+                              tap_spectrum_cuda,
                               kCudaSpectrumKernels};
 
 }  // namespace

@@ -63,6 +63,12 @@ void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out
 at::Tensor correlation_blocks_cuda(const at::Tensor& z_hat, const at::Tensor& phases);
 // Backend::quad_forms: quad_form.cu, one read of w_hat and v.
 at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
+// Backend::tap_spectrum: tap_spectrum.cu, one thread per column and depth bin b_d <= M_d / 2
+// (the taps are real: the other bins are mirrors); tap_spectrum_aten where k'w exceeds 8
+// (its instantiations) or a block's planes of k'h k'w values per thread and tables exceed
+// 48 KiB of shared memory (k'h k'w >= 48).
+at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
+                             const at::Tensor& dft_w, int64_t groups);
 // SpectrumKernels (x_spectrum.h): x_spectrum_dft.cu, and x_spectrum_copies.cu around cuFFT
 // where it does not apply (ATen's copies for other layouts).
 bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum);
