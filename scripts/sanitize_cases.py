@@ -39,7 +39,8 @@ run(2, 6, 9, (4, 3, 5), (3, 2, 4), True, "fft", stride=(2, 1, 3), dilation=(1, 2
 # lags; three tiles in float32 and five in float64 (off-diagonal pairs beyond the first
 # row); float64 (one tile); a batch over two chunks; groups and phases; whole chunks of
 # samples and whole tiles (the unrolled steps), float32 and float64, 10 W lags (5 + 5).
-# lag_stage.cu: 13 D lags and 11 H lags (two launches each).
+# lag_stage.cu: 13 D lags and 11 H lags (two launches each). tap_spectrum.cu runs in these
+# and the next cases where k'w <= 8 (k'w of 2, 3 and 7).
 run(2, 40, 6, (3, 4, 5), (2, 2, 10), True, "cross_spectrum")
 run(32, 32, 5, (3, 4, 5), (3, 2, 10), True, "cross_spectrum")
 run(16, 16, 4, (3, 4, 5), 2, True, "cross_spectrum", torch.float64)
