@@ -96,17 +96,17 @@ __global__ void __launch_bounds__(kThreads) tap_spectrum_kernel(TapArgs a) {
     const int64_t bin = (static_cast<int64_t>(bd) * a.mh + bh) * a.bw;
     const int64_t mirror = (static_cast<int64_t>(a.md - bd) * a.mh + (a.mh - bh) % a.mh) * a.bw;
     for (int bw = 0; bw < a.bw; ++bw) {
-      double ac = 0, bd_ = 0, ad = 0, bc = 0;  // e = a + ib, row = c + id
+      double rr = 0, ii = 0, ri = 0, ir = 0;  // sums of Re e Re row, Im e Im row, Re e Im row, Im e Re row
 #pragma unroll
       for (int w = 0; w < kKw; ++w) {
         const double2 e = e_w[bw * kKw + w];
-        ac = fma(e.x, row[w].x, ac);
-        bd_ = fma(e.y, row[w].y, bd_);
-        ad = fma(e.x, row[w].y, ad);
-        bc = fma(e.y, row[w].x, bc);
+        rr = fma(e.x, row[w].x, rr);
+        ii = fma(e.y, row[w].y, ii);
+        ri = fma(e.x, row[w].y, ri);
+        ir = fma(e.y, row[w].x, ir);
       }
-      store_bin(a, bin + bw, group, group_col, ac - bd_, ad + bc);
-      if (bd != 0) store_bin(a, mirror + bw, group, group_col, ac + bd_, bc - ad);
+      store_bin(a, bin + bw, group, group_col, rr - ii, ri + ir);                 // e row
+      if (bd != 0) store_bin(a, mirror + bw, group, group_col, rr + ii, ir - ri);  // e conj(row)
     }
   }
 }
