@@ -6,7 +6,8 @@
 NAME is one of bench/bench_ct_bn_pool.py's CUDA problems (default: seed).
 
 With `host`, the table is the host side instead: ATen ops by self CPU time, how many
-each call issues, and the wall time of issuing one call (no synchronization). With
+each call issues, and the wall time of issuing one call (no synchronization), with the GPU
+busy and with it idle. With
 `wall`, only the wall time per call of 50 calls issued back to back (what an eager loop
 of this op sees: the larger of its host and GPU time), no profiler.
 """
@@ -58,15 +59,21 @@ with torch.no_grad():
         print(f"wall: {problem} {mode} {algo}: {walls[2]:.3f} ms per call, 50 calls back to back (median of 5)")
         sys.exit(0)
     if host:
-        issue_us = []
-        for i in range(calls):
-            torch.cuda._sleep(int(2e7))  # the GPU stays busy: issuing never waits on it
-            t0 = time.perf_counter()
-            m(xs[i % len(xs)])
-            issue_us.append((time.perf_counter() - t0) * 1e6)
-            torch.cuda.synchronize()
-        issue_us.sort()
-        print(f"host: issuing one call takes {issue_us[len(issue_us) // 2]:.0f} us (median of {calls})")
+        # Issue time with the GPU kept busy (issuing never waits on it) and with it idle (after
+        # a synchronize): the two disagreed on 2026-12-01 (docs/performance.md, host time).
+        for busy in (True, False):
+            issue_us = []
+            for i in range(calls):
+                if busy:
+                    torch.cuda._sleep(int(2e7))
+                t0 = time.perf_counter()
+                m(xs[i % len(xs)])
+                issue_us.append((time.perf_counter() - t0) * 1e6)
+                torch.cuda.synchronize()
+            issue_us.sort()
+            state = "busy" if busy else "idle"
+            print(f"host: issuing one call takes {issue_us[len(issue_us) // 2]:.0f} us with the GPU {state}"
+                  f" (median of {calls})")
     activities = [ProfilerActivity.CPU] if host else [ProfilerActivity.CUDA]
     with profile(activities=activities) as prof:
         for i in range(calls):
