@@ -237,7 +237,11 @@ def test_cross_spectrum_keeps_the_h_stage_output_where_x_spectrum_is_larger(batc
 # partial chunk of samples with an even group (34 channels: a block whose columns end at
 # 34 of its 48).
 W_STAGE_PROBLEMS = [p for p in PROBLEMS if p.in_channels >= 16 or p.batch >= 10] + [
-    Problem(19, 34, 5, (3, 4, 5), (3, 2, 3), scale=-1.5)]
+    Problem(19, 34, 5, (3, 4, 5), (3, 2, 3), scale=-1.5),
+    # cross_spectrum_mma.cu's paired blocks (BlockPlan): 48 channels (one pair of row blocks,
+    # 0 and 2) and 128 (two pairs, 1 and 3, 5 and 7).
+    Problem(3, 48, 5, (3, 4, 5), (2, 3, 3)),
+    Problem(2, 128, 4, (3, 3, 4), (2, 2, 3))]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -9,9 +9,9 @@
 //
 // A warp's task is 16 rows i (block p) by 8 columns j (tile q) of S_f; the tasks with
 // some entry on or above the diagonal are those with q >= 2p. A block's four warps take
-// four consecutive tiles of one block p and stage, per step of 16 samples of one fw, the
-// 16 row channels and the 32 column channels they read, as float64 real and imaginary
-// planes. An entry above the diagonal writes Q at (i, j) and at (j, i) from the four real
+// four consecutive tiles of one block p (or two tiles of each of two blocks p: BlockPlan) and
+// stage, per step of 16 samples of one fw, the 16 row channels and the 32 column channels
+// they read (32 and 16 for two blocks p), as float64 real and imaginary planes. An entry above the diagonal writes Q at (i, j) and at (j, i) from the four real
 // sums of cross_spectrum.cu's kMirror tiles; one on it writes once; one below writes
 // nothing (the task holding its transpose writes it).
 #include <ATen/cuda/CUDAContext.h>
@@ -65,15 +65,44 @@ __device__ __forceinline__ void mma_f64(double (&d)[4], const double (&a)[kMmaK 
 #endif
 }
 
-// The block p and the first tile q0 of block `y` of a row: p's blocks take its tiles
-// q = 2p, 2p + 1, ..., kWarps at a time.
-__device__ __forceinline__ void locate(int y, int tiles_q, int& p, int& q0) {
-  for (p = 0;; ++p) {
-    const int n = (tiles_q - 2 * p + kWarps - 1) / kWarps;
-    if (y < n) break;
+// What block `y` of a row computes. A row block p (16 rows) takes its tiles q >= 2p four at a
+// time, a warp each. With an even tile count T, the row blocks whose T - 2p tiles are 2 more
+// than a multiple of four (every other p) are all left with the same two tiles, T - 2 and
+// T - 1: one block takes those of two such p, warps 0 and 1 for the first, 2 and 3 for the
+// second, staging both row blocks and the two tiles (48 channels, as a block of four tiles).
+// The seed problem's 64 channels (T = 8) then take 5 blocks per row instead of 6, two of which
+// had two idle warps. With an odd T the last block of a p is partial, as before.
+struct BlockPlan {
+  int p[2];  // row blocks: p[0] for the warps (all, or 0 and 1 of a pair), p[1] for 2 and 3 (-1: none)
+  int q0;    // the first column tile staged
+  int rows;  // staged row channels, before the columns: 16, or 32 for a pair
+};
+
+__host__ __device__ __forceinline__ int full_blocks(int tiles_q, int p) {
+  const int tiles = tiles_q - 2 * p;
+  return tiles_q % 2 == 0 ? tiles / kWarps : (tiles + kWarps - 1) / kWarps;
+}
+
+__host__ __device__ __forceinline__ int paired_blocks(int tiles_q) {
+  if (tiles_q % 2 != 0) return 0;
+  const int half = tiles_q / 2, first = (half - 1) % 2;
+  return ((half - first + 1) / 2 + 1) / 2;  // the p = first, first + 2, ... < half, two per block
+}
+
+__host__ __device__ __forceinline__ int blocks_per_row(int tiles_q) {
+  int n = paired_blocks(tiles_q);
+  for (int p = 0; 2 * p < tiles_q; ++p) n += full_blocks(tiles_q, p);
+  return n;
+}
+
+__device__ __forceinline__ BlockPlan locate(int y, int tiles_q) {
+  for (int p = 0; 2 * p < tiles_q; ++p) {
+    const int n = full_blocks(tiles_q, p);
+    if (y < n) return BlockPlan{{p, -1}, 2 * p + kWarps * y, kBlockRows};
     y -= n;
   }
-  q0 = 2 * p + kWarps * y;
+  const int half = tiles_q / 2, first = (half - 1) % 2 + 4 * y, second = first + 2;
+  return BlockPlan{{first, second < half ? second : -1}, tiles_q - 2, 2 * kBlockRows};
 }
 
 // re + i im += S of samples k0 .. k0 + K - 1 of a staged step for the warp's task:
@@ -131,28 +160,32 @@ template <int kLags, bool kLag0Real>
 __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs a) {
   __shared__ __align__(16) Smem st;
   const int64_t row = blockIdx.x / a.blocks_per_row;  // (fd - fd0) Lh + fh
-  int p, q0;
-  locate(static_cast<int>(blockIdx.x % a.blocks_per_row), a.tiles_q, p, q0);
+  const BlockPlan plan = locate(static_cast<int>(blockIdx.x % a.blocks_per_row), a.tiles_q);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
-  const int q = q0 + warp;
-  const bool active = q < a.tiles_q;
+  const bool paired = plan.rows != kBlockRows;
+  const int side = paired ? warp / 2 : 0, p = side == 0 ? plan.p[0] : plan.p[1];  // the warp's row block
+  const int q = plan.q0 + (paired ? warp % 2 : warp);       // and column tile
+  const bool active = p >= 0 && q < a.tiles_q;
   const int64_t fd = a.fd0 + row / a.lh, fh = row % a.lh, group = blockIdx.z;
-  const int i0 = kBlockRows * p, j0 = kTileCols * q0;
+  const int i0 = kBlockRows * p, j0 = kTileCols * plan.q0;
   const int lwf = static_cast<int>(a.lwf), batch = static_cast<int>(a.batch);
   const int chunks = (batch + kSamples - 1) / kSamples;
   const bool dc_row = fd == 0 && fh == 0;  // its fw = 0 is the DC bin, left out (§3.5)
 
   // Piece k of this thread: sample e / (kStaged / 2) and pair e % (kStaged / 2) of the step,
-  // e = threadIdx.x + k kThreads; the pairs are the block's 16 row channels, then its 32 column
-  // channels. src: its bytes past the step's first value (-1: no such channel); at: its
+  // e = threadIdx.x + k kThreads; the pairs are the block's 16 or 32 row channels, then its 32
+  // or 16 column channels. src: its bytes past the step's first value (-1: no such channel); at: its
   // place in a plane of Smem::x (low 16 bits) and its sample (high 16), for the last chunk's bound.
   const char* x = reinterpret_cast<const char*>(a.x + (fd * a.lh + fh) * a.lwf * a.batch * a.ci + group * a.cig);
   int src[kPieces], at[kPieces];
 #pragma unroll
   for (int k = 0; k < kPieces; ++k) {
     const int e = threadIdx.x + k * kThreads, sample = e / (kStaged / 2), slot = 2 * (e % (kStaged / 2));
-    const int channel = slot < kBlockRows ? i0 + slot : j0 + slot - kBlockRows;
-    src[k] = channel < a.cig ? (sample * static_cast<int>(a.ci) + channel) * 8 : -1;
+    const int second = plan.p[1] >= 0 ? kBlockRows * (plan.p[1] - 1) + slot : -1;  // slot past 16
+    const int channel = slot < kBlockRows ? kBlockRows * plan.p[0] + slot
+                        : slot < plan.rows ? second
+                                           : j0 + slot - plan.rows;
+    src[k] = channel >= 0 && channel < a.cig ? (sample * static_cast<int>(a.ci) + channel) * 8 : -1;
     at[k] = sample << 16 | (sample * kPitch + slot);
   }
   const int64_t step_bytes = a.ci * 8;  // one sample's values
@@ -178,7 +211,8 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
 #pragma unroll
     for (int m = 0; m < kLags; ++m) acc[e][m] = mir[e][m] = float2{0, 0};
   double re[4] = {0, 0, 0, 0}, im[4] = {0, 0, 0, 0};
-  const int col = kBlockRows + kTileCols * warp;  // add_step: the warp's columns, past the rows
+  // add_step: the warp's rows start `rows` channels into the staged ones, its columns `col` past those.
+  const int rows = kBlockRows * side, col = plan.rows + kTileCols * (q - plan.q0) - rows;
 
   load(0, 0);
   int buf = 0, next_fw = 0, next_chunk = 0;
@@ -195,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
       __syncthreads();
       if (++next_chunk == chunks) next_chunk = 0, ++next_fw;
       if (next_fw < lwf) load(next_fw, next_chunk);
-      if (active) add_step(&st.x[buf][0][t4][g], col, min(batch - chunk * kSamples, kSamples), re, im);
+      if (active) add_step(&st.x[buf][0][t4][g + rows], col, min(batch - chunk * kSamples, kSamples), re, im);
     }
     if (active && (!dc_row || fw != 0)) {
 #pragma unroll
@@ -293,8 +327,9 @@ void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t
   a.cig = a.ci / groups;
   a.lags_total = coef.size(1);
   const int64_t tiles_q = (a.cig + kTileCols - 1) / kTileCols;
-  int64_t per_row = 0;
-  for (int64_t p = 0; 2 * p < tiles_q; ++p) per_row += (tiles_q - 2 * p + kWarps - 1) / kWarps;
+  TORCH_CHECK(tiles_q < (int64_t(1) << 16), "ct_bn_pool: too many channels per group for the cross-spectrum path's W stage (",
+              to_str(a.cig), ")");
+  const int64_t per_row = blocks_per_row(static_cast<int>(tiles_q));
   const int64_t rows = count * a.lh;
   TORCH_CHECK(rows * per_row < (int64_t(1) << 31) && groups < 65536,
               "ct_bn_pool: problem too large for the cross-spectrum path's W stage (", to_str(rows), " rows, ",
