@@ -253,6 +253,11 @@ at::Tensor region_energy(const Backend& backend, const at::Tensor& x, const at::
 
 }  // namespace
 
+double crop_fraction(const ConvGeometry& g) {
+  const ConvGeometry full = full_geometry(g);
+  return static_cast<double>(g.out_spatial()) / static_cast<double>(full.out_spatial());
+}
+
 at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::Tensor& weight,
                          const SampleSumTensors& sums, const ConvGeometry& g) {
   const ConvGeometry full = full_geometry(g);

@@ -8,8 +8,9 @@ import math
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from conftest import DEVICES, Problem, make_input, make_models, relerr
+from conftest import DEVICES, Problem, assert_no_host_sync, make_input, make_models, relerr
 
 PROBLEMS = [
     Problem(3, 4, 5, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1)),
@@ -93,3 +94,35 @@ def test_refuses_padding_0(device):
         fused(make_input(p, torch.float32, device))
     assert torch.equal(fused.batch_norm.running_var, before)
     assert int(fused.batch_norm.num_batches_tracked) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_on_cuda():
+    p = Problem(3, 8, 12, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1))
+    _, fused = make_models(p, torch.float32, "cuda", algo="border")
+    assert_no_host_sync(fused.train(), make_input(p, torch.float32, "cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_on_cuda_takes_border_on_large_padded_problems():
+    """CUDA auto with padding: the border's terms where the convolution has at least 1e11
+    multiply-adds and the crop keeps half of the grid (csrc/cuda/ct_bn_pool_cuda.cpp), else
+    cuDNN over slices or the direct kernel (tests/test_correlation_paths.py). The float64
+    reference of a problem this size would take minutes on the CPU: checked against
+    sliced_conv (strict float32) on the GPU instead, whose own accuracy the small problems test."""
+    p = Problem(2, 64, 64, (16, 32, 32), (5, 5, 5), conv_kwargs=dict(padding=2))  # 1.3e11
+    _, fused = make_models(p, torch.float32, "cuda")
+    _, sliced = make_models(p, torch.float32, "cuda", algo="sliced_conv")
+    sliced.load_state_dict(fused.state_dict())
+    x = make_input(p, torch.float32, "cuda") + 0.5
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = fused.train()(x)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert not any(name == "aten::_convolution" for name in names)
+    # the terms' paths at padding 0: Parseval or the cross-spectrum
+    assert any("spectral_energy" in name or "cross_spectrum_" in name for name in names)
+    with torch.no_grad():
+        assert relerr(out, sliced.train()(x)) <= 2e-6
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(sliced.batch_norm, name)) <= 2e-6
