@@ -110,7 +110,7 @@ def test_auto_on_cuda_takes_border_on_large_padded_problems():
     cuDNN over slices or the direct kernel (tests/test_correlation_paths.py). The float64
     reference of a problem this size would take minutes on the CPU: checked against
     sliced_conv (strict float32) on the GPU instead, whose own accuracy the small problems test."""
-    p = Problem(2, 64, 64, (16, 32, 32), (5, 5, 5), conv_kwargs=dict(padding=2))  # 1.3e11
+    p = Problem(16, 64, 64, (16, 32, 32), (5, 5, 5), conv_kwargs=dict(padding=2))  # 1.3e11
     _, fused = make_models(p, torch.float32, "cuda")
     _, sliced = make_models(p, torch.float32, "cuda", algo="sliced_conv")
     sliced.load_state_dict(fused.state_dict())
