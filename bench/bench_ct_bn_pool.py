@@ -67,7 +67,7 @@ CPU_PROBLEMS = {
 }
 DIM_NAMES = ("B", "Ci", "Co", "D", "H", "W", "k")
 MODES = ("eval", "train")
-ALGOS = ("auto", "fft", "direct", "sliced_conv", "correlation", "cross_spectrum")
+ALGOS = ("auto", "fft", "direct", "sliced_conv", "correlation", "cross_spectrum", "border")
 MEMORY_FORMATS = ("contiguous", "channels_last_3d")
 
 WARMUP_CALLS = 5

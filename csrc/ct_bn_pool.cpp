@@ -27,6 +27,26 @@ at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& 
   return at::constant_pad_nd(w, {0, co_pad - cog}).contiguous();
 }
 
+at::Tensor energy_of(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
+                     const at::Tensor& weight, const SampleSumTensors& sums, const ConvGeometry& g) {
+  switch (algo) {
+    case EnergyAlgo::Direct:
+      return backend.energy_direct(x.contiguous(), weight, sums, g);
+    case EnergyAlgo::SlicedConv:
+      return energy_sliced_conv(x, weight, g);
+    case EnergyAlgo::Fft:
+      return backend.energy_fft(x, weight, sums, g);
+    case EnergyAlgo::Correlation:
+      return energy_correlation(x, weight, sums, g);
+    case EnergyAlgo::CrossSpectrum:
+      return energy_cross_spectrum(backend, x, weight, sums, g);
+    case EnergyAlgo::Border:
+      return energy_border(backend, x, weight, sums, g);
+  }
+  TORCH_INTERNAL_ASSERT(false, "ct_bn_pool: unknown energy algorithm");
+  return {};
+}
+
 namespace {
 
 SampleSumTensors sample_sums(const Backend& backend, const at::Tensor& x, const at::Tensor& w,
@@ -60,24 +80,7 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
   const at::ScalarType energy_dtype = compute_dtype(x_in.scalar_type());
   const at::Tensor x = x_in.to(energy_dtype);  // same layout
   const at::Tensor weight = contiguous_as(weight_in, energy_dtype);
-  switch (energy_algo) {
-    case EnergyAlgo::Direct:
-      in.energy =
-          backend.energy_direct(x.contiguous(), weight, in.sums, g);
-      break;
-    case EnergyAlgo::SlicedConv:
-      in.energy = energy_sliced_conv(x, weight, g);
-      break;
-    case EnergyAlgo::Fft:
-      in.energy = backend.energy_fft(x, weight, in.sums, g);
-      break;
-    case EnergyAlgo::Correlation:
-      in.energy = energy_correlation(x, weight, in.sums, g);
-      break;
-    case EnergyAlgo::CrossSpectrum:
-      in.energy = energy_cross_spectrum(backend, x, weight, in.sums, g);
-      break;
-  }
+  in.energy = energy_of(backend, energy_algo, x, weight, in.sums, g);
 }
 
 // Sets the BN parameters, running stats and scalars of `in`, as contiguous

@@ -20,7 +20,7 @@ inline at::ScalarType compute_dtype(at::ScalarType input_dtype) {
 
 // How the within-sample sum of squares of the conv output is computed in
 // training mode (docs/math.md §3).
-enum class EnergyAlgo { Direct, SlicedConv, Fft, Correlation, CrossSpectrum };
+enum class EnergyAlgo { Direct, SlicedConv, Fft, Correlation, CrossSpectrum, Border };
 
 // The tensors behind SampleSums: x_red [B, Ci, J] and w_red [Ci, Cog, 1 or J], double
 // (w_red undefined where the finalize sums the weight itself: SampleSums::w_red null).
@@ -123,6 +123,18 @@ double correlation_cost_ratio(const ConvGeometry& g);
 at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
                                  const at::Tensor& weight, const SampleSumTensors& sums,
                                  const ConvGeometry& g);
+// [1, Co, 1] double energy of a padded problem (padding > 0): the full (padding-0) grid's
+// minus that of the planes the padding cuts off, by inclusion–exclusion over the dims, each
+// term a padding-0 problem on x's edge planes (docs/math.md §3.6). `sums`: the crop's sums
+// (box_sums).
+at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::Tensor& weight,
+                         const SampleSumTensors& sums, const ConvGeometry& g);
+// The share of the padding-0 grid's positions that the crop keeps (1 without padding).
+double crop_fraction(const ConvGeometry& g);
+// The energy by `algo` (x in the energy's dtype, any layout; weight contiguous in it):
+// the dispatch `algo` names, shared by the call and energy_border's terms.
+at::Tensor energy_of(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
+                     const at::Tensor& weight, const SampleSumTensors& sums, const ConvGeometry& g);
 // Backend::cross_spectrum_rows and Backend::lag_stage with ATen's batched GEMMs (the CPU's).
 at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);

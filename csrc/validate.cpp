@@ -238,9 +238,15 @@ EnergyAlgo parse_energy_algo(c10::string_view algo, const Backend& backend, cons
                       to_str(at::IntArrayRef(g.padding, 3)), " (use 'auto')");
     return algo == "correlation" ? EnergyAlgo::Correlation : EnergyAlgo::CrossSpectrum;
   }
+  if (algo == "border") {  // a crop of the padding-0 grid (§3.6): there is none without padding
+    TORCH_CHECK_VALUE(g.has_padding(),
+                      "ct_bn_pool: algo='border' needs padding > 0 in some dim; got padding ",
+                      to_str(at::IntArrayRef(g.padding, 3)), " (use 'auto')");
+    return EnergyAlgo::Border;
+  }
   TORCH_CHECK_VALUE(false,
                     "ct_bn_pool: algo must be one of 'auto', 'fft', 'direct', 'sliced_conv', "
-                    "'correlation', 'cross_spectrum', got '",
+                    "'correlation', 'cross_spectrum', 'border', got '",
                     std::string(algo), "'");
   return EnergyAlgo::Direct;
 }

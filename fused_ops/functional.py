@@ -68,7 +68,9 @@ def ct_bn_pool(
         algo: how training mode gets the per-channel variance (``docs/math.md`` §3):
             ``"auto"`` (default: on CUDA, with a stride and padding 0, ``"cross_spectrum"``,
             or ``"correlation"`` where every stride phase has one tap; otherwise ``"direct"``
-            where the convolution is under 1e8 multiply-adds, then ``"fft"`` where it applies
+            where the convolution is under 1e8 multiply-adds, then with padding ``"border"``
+            from 1e11 multiply-adds where the crop keeps half of the grid, else
+            ``"sliced_conv"``; without padding ``"fft"`` where it applies
             (``"cross_spectrum"`` there where its work is the smaller and reaches 4e8
             multiply-adds), else ``"sliced_conv"``;
             on the CPU ``"correlation"`` where it costs under a third of the convolution,
@@ -83,8 +85,12 @@ def ct_bn_pool(
             ``"cross_spectrum"`` (any device and dtype, padding 0: the same lags from x's
             per-frequency channel cross-spectrum, contracted with the weight on a grid of
             ``2k - 1`` per dim; its cost does not grow with C_out or the number of lags,
-            ``docs/math.md`` §3.5). A forced ``"fft"``, ``"correlation"`` or
-            ``"cross_spectrum"`` where it does not apply raises ValueError.
+            ``docs/math.md`` §3.5) or ``"border"`` (any device and dtype, padding > 0: the
+            padding-0 grid's energy minus that of the planes the padding cuts off, each term
+            a padding-0 problem on x's edge planes by the path ``"auto"`` takes for it; its
+            rounding grows as the crop's share of the grid shrinks, ``docs/math.md`` §3.6).
+            A forced ``"fft"``, ``"correlation"``, ``"cross_spectrum"`` or ``"border"`` where
+            it does not apply raises ValueError.
             Eval mode needs no convolution and ignores it.
         process_group: a ``torch.distributed`` ProcessGroup, or None (the default: this
             process's batch only). With a group and ``training=True`` the batch statistics

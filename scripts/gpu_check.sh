@@ -121,7 +121,7 @@ if want bench-padded; then
   step bench-padded
   # Padding > 0, which the FFT, correlation and cross-spectrum paths do not cover: issue #4
   # asks for training there too to be at least as fast as eager, with less memory.
-  run_bench bench-padded 12 --problems pad2,t8pad1 --modes train --no-compile --algos auto,direct,sliced_conv --out "$OUT/padded"
+  run_bench bench-padded 12 --problems pad2,t8pad1 --modes train --no-compile --algos auto,border,direct,sliced_conv --out "$OUT/padded"
 fi
 if want bench-eval; then
   step bench-eval

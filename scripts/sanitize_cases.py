@@ -30,6 +30,16 @@ for dtype in (torch.float32, torch.float64):
 for conv in ({}, {"groups": 2, "dilation": (2, 1, 1)}):
     run(19, 6, 38, (5, 4, 7), (3, 2, 3), True, "fft", **conv)  # two b passes, edge tiles
 run(2, 3, 5, (30, 2, 3), 2, True, "fft")  # two fd passes
+# spectral_energy.cu's kernel for small batches (each block's own weight spectrum): the
+# bench's t8c64, taps in several pieces (k5), groups with dilation, odd channel counts.
+run(8, 64, 64, (8, 8, 8), 3, True, "fft")
+run(8, 32, 32, (8, 8, 8), 5, True, "fft")
+run(5, 14, 10, (4, 5, 6), (3, 2, 3), True, "fft", groups=2, dilation=(2, 1, 3))
+run(3, 7, 5, (6, 3, 5), 2, True, "fft")
+# The border's terms (padding > 0): planes, lines and corners as padding-0 problems.
+run(2, 4, 6, (4, 5, 3), 3, True, "border", stride=2, padding=1, output_padding=1)
+run(2, 4, 6, (4, 5, 3), (3, 2, 3), True, "border", stride=(2, 3, 1), dilation=(1, 2, 2),
+    padding=(2, 3, 1), groups=2)
 # Phases of a strided problem (docs/math.md §3.3.1): empty phases (k < s), dilation,
 # output_padding, groups; and the overload without running statistics.
 run(3, 4, 6, (3, 4, 5), 1, True, "fft", stride=2)

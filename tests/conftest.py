@@ -56,10 +56,13 @@ def has_padding(problem: Problem) -> bool:
 
 def skip_unless_algo_covers(problem: Problem, algo: str):
     """algo='correlation' and 'cross_spectrum' compute padding 0 only
-    (tests/test_correlation_paths.py checks the refusal); the other algorithms every problem
-    these tests use ('fft': see tests/test_tooling_families.py)."""
+    (tests/test_correlation_paths.py checks the refusal), 'border' padding > 0 only
+    (tests/test_border_energy.py); the other algorithms every problem these tests use
+    ('fft': see tests/test_tooling_families.py)."""
     if algo in ("correlation", "cross_spectrum") and has_padding(problem):
         pytest.skip(f"algo='{algo}' covers padding 0 only")
+    if algo == "border" and not has_padding(problem):
+        pytest.skip("algo='border' covers padding > 0 only")
 
 
 def relerr(out, ref):

@@ -51,7 +51,8 @@ def test_eval_matches_reference(problem, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv", "correlation", "cross_spectrum"])
+@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv", "correlation", "cross_spectrum",
+                                  "border"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("problem", TRAIN_PROBLEMS, ids=Problem.ids)
 def test_train_matches_reference_over_steps(problem, dtype, algo, device):

@@ -61,7 +61,8 @@ from test_tooling_families import FAMILIES, FunctionalModel, fft_applies  # noqa
 
 GRAPH_FAMILIES = [f for f in FAMILIES if FAMILIES[f].momentum is not None]
 GRAPH_MODES = [(False, "auto"), (True, "auto"), (True, "fft"), (True, "direct"),
-               (True, "sliced_conv"), (True, "correlation"), (True, "cross_spectrum")]
+               (True, "sliced_conv"), (True, "correlation"), (True, "cross_spectrum"),
+               (True, "border")]
 
 
 def assert_same_state(fused, ref):

@@ -100,7 +100,8 @@ def test_eval_matches_float64_reference(problem, dtypes, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv", "correlation", "cross_spectrum"])
+@pytest.mark.parametrize("algo", ["auto", "direct", "sliced_conv", "correlation", "cross_spectrum",
+                                  "border"])
 @pytest.mark.parametrize("dtypes", DTYPES, ids=dtype_ids)
 @pytest.mark.parametrize("problem", PROBLEMS, ids=Problem.ids)
 def test_train_matches_float64_reference(problem, dtypes, algo, device):

@@ -7,22 +7,30 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from conftest import (Problem, assert_no_host_sync, make_input, make_models, random_problems,
                       relerr)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# Problems of at most 8 samples go to the small-problem kernel of csrc/cuda/spectral_energy.cu
+# where its re-reads of the taps stay small (csrc/cuda/fft_energy.cpp), the others to the
+# 16-sample kernel with the weight's spectrum; the comments on tiles and passes are about
+# the latter.
 FFT_PROBLEMS = [
     Problem(2, 8, 16, (4, 6, 5), (3, 3, 3)),
     Problem(3, 4, 37, (3, 4, 5), (2, 3, 4)),  # channels not a multiple of the 32-channel tile
     Problem(1, 3, 4, (2, 3, 4), (2, 2, 2)),  # batch 1
     Problem(3, 4, 5, (3, 4, 5), (1, 1, 1)),  # kernel 1: the spectrum of a single tap
     Problem(19, 11, 70, (5, 7, 6), (3, 2, 4), scale=-0.75),  # > 16 samples: two passes over b
-    Problem(2, 5, 9, (30, 3, 4), (3, 2, 2)),  # Ld = 32 > 24 depth lanes: two passes over fd
+    Problem(2, 5, 9, (30, 3, 4), (3, 2, 2)),  # Ld = 32: 256 threads of the small kernel
+    Problem(9, 5, 9, (30, 3, 4), (3, 2, 2)),  # Ld = 32 > 24 depth lanes: two passes over fd
     Problem(2, 4, 6, (3, 4, 5), (2, 3, 2), conv_kwargs=dict(dilation=(2, 1, 3))),
     Problem(2, 6, 9, (3, 4, 5), (2, 3, 2), conv_kwargs=dict(groups=3)),
     Problem(2, 12, 66, (3, 4, 6), (2, 2, 3), conv_kwargs=dict(groups=2, bias=False)),
+    # > 8 samples: groups and dilation in the 16-sample kernel
+    Problem(10, 12, 66, (3, 4, 6), (2, 2, 3), conv_kwargs=dict(groups=2, dilation=(2, 1, 2))),
     Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), bn_kwargs=dict(affine=False)),
     Problem(4, 64, 128, (6, 10, 12), (5, 5, 5)),  # the seed problem's channels
 ] + [p for p in random_problems(8, seed=5) if p.batch > 1 or p.size != (1, 1, 1)]
@@ -69,6 +77,51 @@ def test_fft_matches_reference_over_steps(problem):
         assert relerr(out, expected) <= 1e-6
     for name in ("running_mean", "running_var"):
         assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
+
+
+def spectral_kernels(problem):
+    """One float32 training step of `problem` with algo='fft' on CUDA, checked against float64
+    (output and running statistics); the names of the spectral-energy kernels it ran."""
+    ref, fused = make_models(problem, torch.float32, "cuda", algo="fft")
+    ref.train()
+    fused.train()
+    x = make_input(problem, torch.float32, "cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fused(x)
+        torch.cuda.synchronize()
+    with torch.no_grad():
+        assert relerr(out, ref(x.double().cpu())) <= 1e-6
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
+    names = {e.name for e in prof.events()}
+    return {kernel for kernel in ("small_spectral_energy_kernel", "weight_spectrum_kernel")
+            if any(kernel in name for name in names)}
+
+
+# The small-problem kernel over the shapes it is for: 3 and 8 samples, input channels odd and
+# multiples of its slices, kernels 3 and 5, 1 and 2 groups. 64 channels in and out with kernel
+# 5 would re-read 172 MB of taps, past fft_energy.cpp's bound: 16 out there.
+SMALL_KERNEL_PROBLEMS = [
+    Problem(batch, ci, 32 if ci < 64 else (64 if k == 3 else 16), (8, 8, 8), (k, k, k),
+            conv_kwargs=dict(groups=groups))
+    for batch, ci, k, groups in itertools.product((3, 8), (5, 32, 64), (3, 5), (1, 2))
+    if ci % groups == 0
+]
+
+
+@cuda
+@pytest.mark.parametrize("problem", SMALL_KERNEL_PROBLEMS, ids=Problem.ids)
+def test_fft_small_kernel_builds_its_own_weight_spectrum(problem):
+    assert spectral_kernels(problem) == {"small_spectral_energy_kernel"}
+
+
+@cuda
+@pytest.mark.parametrize("problem", [
+    Problem(9, 32, 32, (8, 8, 8), (3, 3, 3)),     # 9 samples: more than the small kernel's tile
+    Problem(4, 64, 128, (6, 10, 12), (5, 5, 5)),  # 516 MB of taps re-read: the weight's spectrum
+], ids=Problem.ids)
+def test_fft_large_problems_keep_the_weight_spectrum(problem):
+    assert spectral_kernels(problem) == {"weight_spectrum_kernel"}
 
 
 @cuda

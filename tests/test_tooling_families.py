@@ -35,7 +35,8 @@ FAMILIES = {
 # Modes: eval (algo ignored), and training with each algorithm ("fft" where it applies:
 # CUDA, no padding; with "auto" it is the FFT path wherever it applies).
 MODES = [("eval", "auto"), ("train", "auto"), ("train", "direct"), ("train", "sliced_conv"),
-         ("train", "fft"), ("train", "correlation"), ("train", "cross_spectrum")]
+         ("train", "fft"), ("train", "correlation"), ("train", "cross_spectrum"),
+         ("train", "border")]
 
 
 # torch.compile and export trace much more slowly than the op runs: every family in eval and

@@ -128,6 +128,19 @@ double direct_work(const ConvGeometry& g) {
 // against 0.054).
 constexpr double kDirectMaxWork = 1e8;
 
+// With padding, the border's terms (docs/math.md §3.6) issue about 2000 ATen ops and 500
+// launches per call (5.7 ms of host time on the H200's machine) and run the FFT path on
+// composite channels: they pay where cuDNN's strict float32 convolution takes longer than
+// that, and where the crop keeps most of the grid (the terms it subtracts are about
+// 1 / fraction times its energy, their rounding amplified as much). docs/performance.md,
+// 2026-12-01 06:17 UTC: pad2 (2.7e11 multiply-adds, crop 0.63) 11.8 ms against sliced_conv's
+// 33.2; t8pad1 (1.1e8) 1.28 against 0.091. Where between them the two cross was not measured:
+// 1e11 is sliced_conv's 12 ms at pad2's rate.
+constexpr double kBorderMinWork = 1e11;
+bool border_pays(const ConvGeometry& g) {
+  return direct_work(g) >= kBorderMinWork && crop_fraction(g) >= 0.5;
+}
+
 // docs/performance.md, training rows of 2026-11-30: with a stride (padding 0) the lags
 // of the phases beat Parseval per phase, cuDNN and eager (st2: cross_spectrum 0.38 ms,
 // fft 0.88, eager 0.43), and with one lag the Gram matrix's single GEMM beats the
@@ -140,6 +153,7 @@ EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
     return single_lag(g) ? EnergyAlgo::Correlation : EnergyAlgo::CrossSpectrum;
   }
   if (direct_work(g) <= kDirectMaxWork) return EnergyAlgo::Direct;
+  if (g.has_padding()) return border_pays(g) ? EnergyAlgo::Border : EnergyAlgo::SlicedConv;
   if (!fft_applies_cuda(g, dtype)) return EnergyAlgo::SlicedConv;
   return cross_spectrum_beats_fft(g) ? EnergyAlgo::CrossSpectrum : EnergyAlgo::Fft;
 }

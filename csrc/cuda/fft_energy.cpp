@@ -5,13 +5,15 @@
 // output padding) is split into phases, stride-1 convolutions of x with
 // sub-kernels on one common grid (§3.3.1): x's spectrum is shared, the weight
 // part runs once per phase. Peak extra memory: x's spectrum plus one phase's
-// sub-kernel and one chunk of its spectrum, each bounded below.
+// sub-kernel and one chunk of its spectrum, each bounded below; on small problems
+// no weight spectrum at all (small_kernel_pays).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "cuda/dynamic_smem.h"
 #include "cuda/fft_energy.h"
 #include "cuda/kernels.h"
 #include "phases.h"
@@ -25,11 +27,35 @@ constexpr int64_t kWeightChunkBytes = int64_t(48) << 20;
 // Shared memory a block may use on the GPUs this is built for (sm_80 and later).
 constexpr int64_t kMaxSmemBytes = 160 << 10;
 
+// Bytes of taps the small kernel may read in all. Each of its blocks reads its tile's
+// taps, so every (fh, fw) pair reads the whole weight: kH kW / 2 times the bytes of the
+// W2 that the route below writes and reads back. Under this bound the re-reads cost at
+// most ~7 us of L2 bandwidth (~7 TB/s on H100/H200-class GPUs; an estimate, not
+// measured), spread over the kernel's blocks: about what weight_spectrum_kernel alone
+// takes on the small problems (7.1 us on t8c32, 9.9 on t8c64, docs/performance.md),
+// before its launch and w_spec's memory. The bench's t8c32, t8c64 and t8k5 re-read 6.6,
+// 26.5 and 43 MB; c16 and s8 would re-read 175 and 880 MB (and have 16 samples).
+constexpr int64_t kMaxTapRereadBytes = int64_t(48) << 20;
+
+// Whether grid_energy takes the small kernel (spectral_energy.cu) for this phase problem.
+bool small_kernel_pays(const ConvGeometry& sub, const SpectrumGeometry& s) {
+  const int64_t smem = small_spectral_energy_smem_bytes(sub, s);
+  if (smem == 0 || smem > std::min(kMaxSmemBytes, dynamic_smem_limit())) return false;
+  const int64_t rereads =
+      s.pairs() * sub.in_channels * sub.out_group_channels() * sub.taps() * int64_t(sizeof(float));
+  return rereads <= kMaxTapRereadBytes;
+}
+
 // Writes energy [1, Co, Lh * Lwf] (double) for the stride-1 full convolution
 // `sub` of x with `weight` [Ci, Cog, kD, kH, kW] (contiguous float32): the
-// weight's spectrum and the multiply-and-reduce kernel, a chunk of fh at a time.
+// weight's spectrum and the multiply-and-reduce kernel, a chunk of fh at a time,
+// or on small problems the one kernel that does both.
 void grid_energy(const at::Tensor& x_spec, const at::Tensor& weight, const ConvGeometry& sub,
                  const SpectrumGeometry& s, at::Tensor& energy) {
+  if (small_kernel_pays(sub, s)) {
+    small_spectral_energy_cuda(x_spec, weight, sub, s, energy);
+    return;
+  }
   const int64_t fh_bytes = s.Lwf * sub.kernel[0] * sub.in_channels * sub.out_group_channels() * 8;
   const int64_t most = std::clamp<int64_t>(kWeightChunkBytes / fh_bytes, 1, s.L[1]);
   const int64_t chunks = (s.L[1] + most - 1) / most;

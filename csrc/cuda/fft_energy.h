@@ -47,4 +47,14 @@ void spectral_energy_cuda(const at::Tensor& x_spec, const at::Tensor& w_spec,
                           const ConvGeometry& g, const SpectrumGeometry& s, int64_t fh0,
                           int64_t count, at::Tensor& energy);
 
+// The variant for small problems (spectral_energy.cu): each block computes its own W2 from
+// `weight` [Ci, Cog, kD, kH, kW] (contiguous float32), so neither weight_spectrum_cuda nor
+// w_spec is needed; writes energy for every (fh, fw) pair at once. Its dynamic shared
+// memory for this problem, or 0 where it does not apply (more than 8 samples, kD > 8, an
+// fd count too large for one block).
+int64_t small_spectral_energy_smem_bytes(const ConvGeometry& g, const SpectrumGeometry& s);
+void small_spectral_energy_cuda(const at::Tensor& x_spec, const at::Tensor& weight,
+                                const ConvGeometry& g, const SpectrumGeometry& s,
+                                at::Tensor& energy);
+
 }  // namespace fused_ops

@@ -1,0 +1,282 @@
+// The training energy of a padded problem (docs/math.md §3.6). Padding crops planes
+// off the padding-0 output grid, and none of the paths that skip the convolution
+// takes a crop; but by inclusion–exclusion over the dims the crop's energy is the full
+// grid's, minus that of the cut planes, plus that of the cut lines, minus that of the
+// cut corners. Each of those regions is itself a padding-0 problem: x's edge planes,
+// the cut dims folded into the channels, with a weight whose taps in those dims are
+// picked per (input plane, output plane) pair; its energy comes from the path `auto`
+// picks for it and its sums from the padding-0 reductions. Every region's terms are
+// centred on the crop's sample means (float64) before they are added.
+#include "ct_bn_pool.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "table_cache.h"
+
+namespace fused_ops {
+namespace {
+
+// One side of a dim's cut: the output planes [j0, j0 + nj) of the full grid it drops,
+// and the input planes [i0, i0 + ni) whose taps land on them.
+struct Side {
+  int64_t i0, ni, j0, nj;
+};
+
+// The padding-0 problem whose output the crop is taken from: output padding beyond the
+// padding stays (zero planes past the convolution's last one).
+ConvGeometry full_geometry(const ConvGeometry& g) {
+  ConvGeometry f = g;
+  for (int d = 0; d < 3; ++d) {
+    f.padding[d] = 0;
+    f.output_padding[d] = std::max<int64_t>(g.output_padding[d] - g.padding[d], 0);
+    f.out_size[d] = conv_transpose_out_size(g.in_size[d], g.kernel[d], g.stride[d], 0,
+                                            g.dilation[d], f.output_padding[d]);
+  }
+  return f;
+}
+
+// The sides of dim d's cut (none where its padding is 0): the first `padding` planes, and
+// the last `padding - output_padding` (output padding keeps some of them).
+std::vector<Side> cut_sides(const ConvGeometry& g, const ConvGeometry& full, int d) {
+  const int64_t s = g.stride[d];
+  const auto inputs = [&](int64_t planes) { return std::min(g.in_size[d], (planes + s - 1) / s); };
+  std::vector<Side> sides;
+  if (g.padding[d] > 0) sides.push_back({0, inputs(g.padding[d]), 0, g.padding[d]});
+  const int64_t high = std::max<int64_t>(g.padding[d] - g.output_padding[d], 0);
+  if (high > 0) {
+    const int64_t n = inputs(high);
+    sides.push_back({g.in_size[d] - n, n, full.out_size[d] - high, high});
+  }
+  return sides;
+}
+
+// A term of the inclusion–exclusion: the dims in `cut` restricted to one side of their
+// cut each, the others whole. `order[q]`: the dim of x at the region's problem's dim q.
+struct Region {
+  bool cut[3];
+  Side side[3];
+  int order[3];
+  int64_t planes_in() const { return product([](const Side& s) { return s.ni; }); }
+  int64_t planes_out() const { return product([](const Side& s) { return s.nj; }); }
+  int dims() const { return int(cut[0]) + int(cut[1]) + int(cut[2]); }
+  template <typename F>
+  int64_t product(F f) const {
+    int64_t n = 1;
+    for (int d = 0; d < 3; ++d) n *= cut[d] ? f(side[d]) : 1;
+    return n;
+  }
+};
+
+// The region's problem keeps a whole dim of x as its depth where it has one: the FFT
+// path's kernel spreads a block's threads over the depth frequencies, and with one
+// position there it ran blocks of 16 threads (docs/performance.md, 2026-12-01 06:06 UTC).
+void set_order(Region& r) {
+  r.order[0] = 0;
+  r.order[1] = 1;
+  r.order[2] = 2;
+  for (int q = 1; q < 3 && r.cut[0]; ++q) {
+    if (!r.cut[q]) {
+      std::swap(r.order[0], r.order[q]);
+      return;
+    }
+  }
+}
+
+std::vector<Region> regions(const ConvGeometry& g, const ConvGeometry& full) {
+  std::vector<Region> out = {Region{{false, false, false}, {}, {0, 1, 2}}};
+  for (int d = 0; d < 3; ++d) {
+    const std::vector<Side> sides = cut_sides(g, full, d);
+    const size_t before = out.size();
+    for (size_t r = 0; r < before; ++r) {
+      for (const Side& s : sides) {
+        Region next = out[r];
+        next.cut[d] = true;
+        next.side[d] = s;
+        set_order(next);
+        out.push_back(next);
+      }
+    }
+  }
+  return out;
+}
+
+// The region's padding-0 problem: each cut dim becomes one position, its input planes
+// and output planes folded into the channels as (ci, planes) and (planes, co) per group.
+ConvGeometry region_geometry(const ConvGeometry& full, const Region& r) {
+  ConvGeometry sub = full;
+  for (int q = 0; q < 3; ++q) {
+    const int d = r.order[q];
+    const bool cut = r.cut[d];
+    sub.in_size[q] = cut ? 1 : full.in_size[d];
+    sub.out_size[q] = cut ? 1 : full.out_size[d];
+    sub.kernel[q] = cut ? 1 : full.kernel[d];
+    sub.stride[q] = cut ? 1 : full.stride[d];
+    sub.dilation[q] = cut ? 1 : full.dilation[d];
+    sub.output_padding[q] = cut ? 0 : full.output_padding[d];
+    sub.padding[q] = 0;
+  }
+  sub.in_channels = full.in_channels * r.planes_in();
+  sub.out_channels = full.out_channels * r.planes_out();
+  return sub;
+}
+
+// x's planes of the region, [B, Ci * planes_in, sizes of sub]: the cut dims moved next to
+// the channels, the others in the region's order.
+at::Tensor region_input(const at::Tensor& x, const Region& r, const ConvGeometry& sub) {
+  at::Tensor t = x;
+  std::vector<int64_t> order = {0, 1};
+  for (int d = 0; d < 3; ++d) {
+    if (r.cut[d]) {
+      t = t.narrow(2 + d, r.side[d].i0, r.side[d].ni);
+      order.push_back(2 + d);
+    }
+  }
+  for (const int d : r.order) {
+    if (!r.cut[d]) order.push_back(2 + d);
+  }
+  return t.permute(order).reshape(
+      {sub.batch, sub.in_channels, sub.in_size[0], sub.in_size[1], sub.in_size[2]});
+}
+
+// Which tap of the weight each entry of the region's weight takes, and whether it takes
+// one: [planes_in..., planes_out..., kept taps...] (the cut dims' input planes, their
+// output planes, then the other dims' taps in the region's order), as the flat tap index
+// (long) and a 0/1 mask.
+struct TapPick {
+  at::Tensor index, mask;
+};
+
+TapPick tap_pick(const ConvGeometry& g, const Region& r, const at::TensorOptions& opts) {
+  const auto lopts = opts.dtype(at::kLong);
+  const int cut_dims = r.dims(), axes = 3 + cut_dims;
+  at::Tensor index = at::zeros({}, lopts), valid = at::ones({}, lopts.dtype(at::kBool));
+  int kept_axis[3] = {0, 0, 0}, kept = 0;
+  for (const int d : r.order) {
+    if (!r.cut[d]) kept_axis[d] = 2 * cut_dims + kept++;
+  }
+  int cut_seen = 0;
+  int64_t tap_step = g.taps();
+  for (int d = 0; d < 3; ++d) {
+    tap_step /= g.kernel[d];
+    std::vector<int64_t> shape(axes, 1);
+    at::Tensor tap;
+    if (r.cut[d]) {
+      // Input plane i reaches output plane j through tap t where i s + t dilation = j.
+      const Side& s = r.side[d];
+      const auto i = at::arange(s.i0, s.i0 + s.ni, lopts).view({-1, 1});
+      const auto j = at::arange(s.j0, s.j0 + s.nj, lopts).view({1, -1});
+      const auto offset = j - i * g.stride[d];
+      tap = at::div(offset, g.dilation[d], "floor");
+      const auto lands = (offset >= 0) & (offset.remainder(g.dilation[d]) == 0) & (tap < g.kernel[d]);
+      shape[cut_seen] = s.ni;
+      shape[cut_dims + cut_seen] = s.nj;
+      ++cut_seen;
+      valid = valid & lands.view(shape);
+      tap = at::where(lands, tap, at::zeros_like(tap));
+    } else {
+      tap = at::arange(g.kernel[d], lopts);
+      shape[kept_axis[d]] = g.kernel[d];
+    }
+    index = index + tap.view(shape) * tap_step;
+  }
+  // `index` has every axis's extent; `valid` only those of the cut dims.
+  return {index.contiguous(), valid.expand(index.sizes()).to(opts)};
+}
+
+// The picks of every region of g's geometry, cached per stream (table_cache.h).
+std::vector<TapPick> tap_picks(const Backend& backend, const ConvGeometry& g,
+                               const std::vector<Region>& rs, const at::Tensor& w) {
+  static auto* cache = new TableCache<std::vector<TapPick>>();  // never destroyed: CUDA tensors at exit
+  std::vector<int64_t> key = {static_cast<int64_t>(w.scalar_type())};
+  for (int d = 0; d < 3; ++d) {
+    key.insert(key.end(), {g.in_size[d], g.kernel[d], g.stride[d], g.dilation[d], g.padding[d],
+                           g.output_padding[d]});
+  }
+  return cache->get(std::move(key), w.device(), backend.table_stream(w.device()), [&] {
+    std::vector<TapPick> picks;
+    for (const Region& r : rs) picks.push_back(tap_pick(g, r, w.options()));
+    return picks;
+  });
+}
+
+// The region's weight [Ci * planes_in, planes_out * Cog, kernel of sub]: weight[ci, co, t]
+// at the tap each (input plane, output plane) pair of the cut dims takes, 0 where none.
+at::Tensor region_weight(const at::Tensor& w, const ConvGeometry& g, const Region& r,
+                         const TapPick& pick, const ConvGeometry& sub) {
+  const int64_t cog = g.out_group_channels();
+  const int cut_dims = r.dims();
+  auto picked = w.view({g.in_channels, cog, g.taps()}).index_select(2, pick.index.flatten());
+  std::vector<int64_t> shape = {g.in_channels, cog};
+  shape.insert(shape.end(), pick.index.sizes().begin(), pick.index.sizes().end());
+  picked = picked.view(shape).mul_(pick.mask);
+  // [ci, co, in planes, out planes, taps] -> [ci, in planes, out planes, co, taps]
+  std::vector<int64_t> order = {0};
+  for (int a = 0; a < 2 * cut_dims; ++a) order.push_back(2 + a);
+  order.push_back(1);
+  for (int a = 2 * cut_dims; a < pick.index.dim(); ++a) order.push_back(2 + a);
+  return picked.permute(order).reshape({sub.in_channels, sub.out_group_channels(), sub.kernel[0],
+                                        sub.kernel[1], sub.kernel[2]});
+}
+
+// [B, Co] double: each sample's conv sum (bias excluded) from the reductions `sums`
+// (sample_sums.h: sum over the group's ci and the parts j of x_red w_red).
+at::Tensor conv_sums(const SampleSumTensors& sums, const ConvGeometry& g) {
+  const int64_t G = g.groups, cig = g.in_group_channels(), cog = g.out_group_channels();
+  const auto x_red = sums.x_red.view({g.batch, G, cig, sums.x_red.size(2)});
+  const auto w_red = sums.w_red.view({G, cig, cog, sums.w_red.size(2)});
+  if (G == 1 && w_red.size(3) == 1) {  // the regions' sums: one GEMM, not einsum's chain
+    return at::mm(x_red.sum(3).view({g.batch, cig}), w_red.view({cig, cog}));
+  }
+  const auto s = w_red.size(3) == 1 ? at::einsum("bgi,gic->bgc", {x_red.sum(3), w_red.squeeze(3)})
+                                    : at::einsum("bgij,gicj->bgc", {x_red, w_red});
+  return s.reshape({g.batch, g.out_channels});
+}
+
+// sum over the region of (y - m)^2 per channel [Co], m the crop's sample means [B, G, 1, Cog]:
+// each of its (sample, output plane) slices' own centred energy plus its count times the
+// square of its mean's distance from m.
+at::Tensor region_energy(const Backend& backend, const at::Tensor& x, const at::Tensor& w,
+                         const ConvGeometry& sub, const at::Tensor& crop_means, int64_t planes_out) {
+  const SampleSumTensors sums = backend.sample_sums(x, w);
+  const int64_t G = sub.groups, cog = sub.out_group_channels() / planes_out;
+  const double n = static_cast<double>(sub.out_spatial());
+  const auto means = conv_sums(sums, sub).view({sub.batch, G, planes_out, cog}).div_(n);
+  auto total = means.sub_(crop_means).square_().sum(at::IntArrayRef{0, 2}).mul_(n);
+  if (sub.out_spatial() > 1) {  // one position per slice: no spread within it
+    const EnergyAlgo algo = backend.auto_energy_algo(sub, x.scalar_type());
+    const auto e = energy_of(backend, algo, x, w, sums, sub);
+    total.add_(e.sum(at::IntArrayRef{0, 2}).view({G, planes_out, cog}).sum(1));
+  }
+  return total.view({G * cog});
+}
+
+}  // namespace
+
+double crop_fraction(const ConvGeometry& g) {
+  const ConvGeometry full = full_geometry(g);
+  return static_cast<double>(g.out_spatial()) / static_cast<double>(full.out_spatial());
+}
+
+at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::Tensor& weight,
+                         const SampleSumTensors& sums, const ConvGeometry& g) {
+  const ConvGeometry full = full_geometry(g);
+  const std::vector<Region> rs = regions(g, full);
+  const std::vector<TapPick> picks = tap_picks(backend, g, rs, weight);
+  const auto crop_means = conv_sums(sums, g)
+                              .div_(static_cast<double>(g.out_spatial()))
+                              .view({g.batch, g.groups, 1, g.out_group_channels()});
+  auto energy = at::zeros({g.out_channels}, x.options().dtype(at::kDouble));
+  for (size_t k = 0; k < rs.size(); ++k) {
+    const Region& r = rs[k];
+    const ConvGeometry sub = region_geometry(full, r);
+    const bool whole = r.dims() == 0;
+    const at::Tensor xs = whole ? x : region_input(x, r, sub);
+    const at::Tensor ws = whole ? weight : region_weight(weight, g, r, picks[k], sub);
+    const auto term = region_energy(backend, xs, ws, sub, crop_means, r.planes_out());
+    energy.add_(term, r.dims() % 2 == 0 ? 1.0 : -1.0);
+  }
+  return energy.view({1, g.out_channels, 1});
+}
+
+}  // namespace fused_ops

@@ -1,0 +1,128 @@
+"""algo='border' (docs/math.md §3.6): the energy of a padded problem as the full grid's
+minus that of the planes the padding cuts, by inclusion–exclusion over the dims, each term a
+padding-0 problem on x's edge planes. Forced on padded problems of every geometry (padding
+in one, two and three dims, strides, dilation, output padding below, at and above the
+padding, groups, kernels larger than the input) against PyTorch's modules in float64, over
+several steps; refused with a clear error, and nothing changed, without padding."""
+import math
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import DEVICES, Problem, assert_no_host_sync, make_input, make_models, relerr
+
+PROBLEMS = [
+    Problem(3, 4, 5, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1)),
+    Problem(2, 3, 4, (6, 5, 4), (5, 3, 2), conv_kwargs=dict(padding=(2, 1, 0))),
+    Problem(2, 4, 6, (4, 5, 6), (3, 4, 3), conv_kwargs=dict(padding=(0, 0, 2))),
+    Problem(2, 4, 6, (4, 5, 3), (3, 3, 3), conv_kwargs=dict(stride=2, padding=1, output_padding=1)),
+    Problem(2, 4, 6, (4, 5, 3), (3, 3, 3),
+            conv_kwargs=dict(stride=2, padding=(1, 2, 0), output_padding=(1, 1, 1))),
+    Problem(2, 4, 6, (4, 5, 3), (3, 2, 3), conv_kwargs=dict(dilation=2, padding=(3, 1, 2))),
+    Problem(2, 4, 6, (4, 5, 3), (3, 2, 3), scale=-1.5, conv_kwargs=dict(
+        stride=(2, 3, 1), dilation=(1, 2, 2), padding=(2, 3, 1), groups=2)),
+    Problem(3, 4, 6, (4, 3, 5), (3, 2, 3), conv_kwargs=dict(
+        stride=(1, 2, 3), padding=(1, 0, 2), output_padding=(0, 1, 2), dilation=(2, 1, 1),
+        groups=2)),
+    # padding larger than the kernel's overhang: the crop cuts into the input's own span
+    Problem(2, 3, 5, (3, 4, 3), (4, 4, 4), conv_kwargs=dict(padding=(2, 3, 2))),
+    Problem(3, 2, 2, (1, 1, 1), (3, 3, 3), conv_kwargs=dict(padding=1)),
+    # the bench's padded problems, smaller: "same" padding of a 5-tap and a 3-tap kernel
+    Problem(4, 16, 24, (6, 8, 8), (5, 5, 5), conv_kwargs=dict(padding=2)),
+    Problem(5, 32, 32, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1)),
+]
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-6}
+
+
+def crop_fraction(problem):
+    """The share of the padding-0 grid's positions that the crop keeps."""
+    kw = problem.conv_kwargs
+
+    def triple(name, default):
+        v = kw.get(name, default)
+        return v if isinstance(v, tuple) else (v,) * 3
+
+    stride, padding = triple("stride", 1), triple("padding", 0)
+    output_padding, dilation = triple("output_padding", 0), triple("dilation", 1)
+    full = crop = 1
+    for n, k, s, p, op, d in zip(problem.size, problem.kernel, stride, padding, output_padding,
+                                 dilation):
+        grid = (n - 1) * s + d * (k - 1) + 1 + max(op - p, 0)
+        full *= grid
+        crop *= grid - p - max(p - op, 0)
+    return crop / full
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("problem", PROBLEMS, ids=Problem.ids)
+def test_matches_reference_over_steps(problem, device, dtype):
+    if dtype == torch.float32 and crop_fraction(problem) < 0.25:
+        # The terms it adds are about 1 / fraction times the crop's energy: their float32
+        # rounding is amplified as much (docs/math.md §3.6); float64 covers the geometry.
+        pytest.skip("the crop keeps under a quarter of the grid: float64 only")
+    ref, fused = make_models(problem, dtype, device, algo="border")
+    ref.train()
+    fused.train()
+    for _ in range(3):
+        # An offset, so that the sample means are far from 0 and the centring is tested.
+        x = make_input(problem, dtype, device) + 0.75
+        with torch.no_grad():
+            out = fused(x)
+            expected = ref(x.double().cpu())
+        assert relerr(out, expected) <= TOLERANCE[dtype]
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name),
+                      getattr(ref.batch_norm, name)) <= TOLERANCE[dtype], name
+
+
+def test_crop_fraction():
+    """The helper that picks the float32 cases, on the bench's padded problems."""
+    pad2 = Problem(16, 64, 128, (16, 32, 32), (5, 5, 5), conv_kwargs=dict(padding=2))
+    t8pad1 = Problem(8, 32, 32, (8, 8, 8), (3, 3, 3), conv_kwargs=dict(padding=1))
+    assert math.isclose(crop_fraction(pad2), 16 * 32 * 32 / (20 * 36 * 36))
+    assert math.isclose(crop_fraction(t8pad1), 8 ** 3 / 10 ** 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_refuses_padding_0(device):
+    p = Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(stride=2, output_padding=1))
+    _, fused = make_models(p, torch.float32, device, algo="border")
+    before = fused.batch_norm.running_var.clone()
+    with pytest.raises(ValueError, match=r"algo='border' needs padding > 0 in some dim; got padding \[0, 0, 0\]"):
+        fused(make_input(p, torch.float32, device))
+    assert torch.equal(fused.batch_norm.running_var, before)
+    assert int(fused.batch_norm.num_batches_tracked) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_on_cuda():
+    p = Problem(3, 8, 12, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1))
+    _, fused = make_models(p, torch.float32, "cuda", algo="border")
+    assert_no_host_sync(fused.train(), make_input(p, torch.float32, "cuda"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_on_cuda_takes_border_on_large_padded_problems():
+    """CUDA auto with padding: the border's terms where the convolution has at least 1e11
+    multiply-adds and the crop keeps half of the grid (csrc/cuda/ct_bn_pool_cuda.cpp), else
+    cuDNN over slices or the direct kernel (tests/test_correlation_paths.py). The float64
+    reference of a problem this size would take minutes on the CPU: checked against
+    sliced_conv (strict float32) on the GPU instead, whose own accuracy the small problems test."""
+    p = Problem(16, 64, 64, (16, 32, 32), (5, 5, 5), conv_kwargs=dict(padding=2))  # 1.3e11
+    _, fused = make_models(p, torch.float32, "cuda")
+    _, sliced = make_models(p, torch.float32, "cuda", algo="sliced_conv")
+    sliced.load_state_dict(fused.state_dict())
+    x = make_input(p, torch.float32, "cuda") + 0.5
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = fused.train()(x)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert not any(name == "aten::_convolution" for name in names)
+    # the terms' paths at padding 0: Parseval or the cross-spectrum
+    assert any("spectral_energy" in name or "cross_spectrum_" in name for name in names)
+    with torch.no_grad():
+        assert relerr(out, sliced.train()(x)) <= 2e-6
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(sliced.batch_norm, name)) <= 2e-6
