@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 import fused_ops
 
@@ -129,6 +130,23 @@ def random_problems(count, seed, **fixed):
             out_channels=rng.randint(1, 20), size=size, kernel=kernel,
             scale=rng.choice([2.0, -1.5, 0.37, 3.0]), **fixed))
     return problems
+
+
+def cuda_train_step_kernels(problem: Problem, algo: str):
+    """One float32 training step of `problem` on CUDA with `algo`, checked against float64
+    (output and running statistics); the names of the kernels it ran."""
+    ref, fused = make_models(problem, torch.float32, "cuda", algo=algo)
+    ref.train()
+    fused.train()
+    x = make_input(problem, torch.float32, "cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fused(x)
+        torch.cuda.synchronize()
+    with torch.no_grad():
+        assert relerr(out, ref(x.double().cpu())) <= 1e-6
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
+    return [e.name for e in prof.events()]
 
 
 def clone_state(module):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import (DEVICES, Problem, assert_no_host_sync, make_input, make_models,
-                      random_problems, relerr)
+from conftest import (DEVICES, Problem, assert_no_host_sync, cuda_train_step_kernels, make_input,
+                      make_models, random_problems, relerr)
 from test_fft_energy import FFT_PROBLEMS, STRIDED_FFT_PROBLEMS
 
 # The FFT path's problems (every padding-0 family, two passes of its tiles, the seed
@@ -204,20 +204,7 @@ def test_auto_on_cuda_at_stride_1_weighs_the_cross_spectrum(batch, size, expecte
 
 
 def cross_spectrum_step_kernels(problem):
-    """One float32 training step of `problem` on CUDA with cross_spectrum, checked against
-    float64 (output and running statistics); the names of the kernels it ran."""
-    ref, fused = make_models(problem, torch.float32, "cuda", algo="cross_spectrum")
-    ref.train()
-    fused.train()
-    x = make_input(problem, torch.float32, "cuda")
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = fused(x)
-        torch.cuda.synchronize()
-    with torch.no_grad():
-        assert relerr(out, ref(x.double().cpu())) <= 1e-6
-    for name in ("running_mean", "running_var"):
-        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
-    return [e.name for e in prof.events()]
+    return cuda_train_step_kernels(problem, "cross_spectrum")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
-from conftest import (Problem, assert_no_host_sync, make_input, make_models, random_problems,
-                      relerr)
+from conftest import (Problem, assert_no_host_sync, cuda_train_step_kernels, make_input, make_models,
+                      random_problems, relerr)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -80,20 +79,8 @@ def test_fft_matches_reference_over_steps(problem):
 
 
 def spectral_kernels(problem):
-    """One float32 training step of `problem` with algo='fft' on CUDA, checked against float64
-    (output and running statistics); the names of the spectral-energy kernels it ran."""
-    ref, fused = make_models(problem, torch.float32, "cuda", algo="fft")
-    ref.train()
-    fused.train()
-    x = make_input(problem, torch.float32, "cuda")
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = fused(x)
-        torch.cuda.synchronize()
-    with torch.no_grad():
-        assert relerr(out, ref(x.double().cpu())) <= 1e-6
-    for name in ("running_mean", "running_var"):
-        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
-    names = {e.name for e in prof.events()}
+    """The spectral-energy kernels one checked fft training step of `problem` ran."""
+    names = cuda_train_step_kernels(problem, "fft")
     return {kernel for kernel in ("small_spectral_energy_kernel", "weight_spectrum_kernel")
             if any(kernel in name for name in names)}
 

@@ -55,6 +55,16 @@ struct SmemLayout {
   }
 };
 
+// Eight samples' values of one channel, as four 16-byte shared-memory loads.
+__device__ __forceinline__ void load_eight(const float4* row, float2 xv[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float4 p = row[i];
+    xv[2 * i] = make_float2(p.x, p.y);
+    xv[2 * i + 1] = make_float2(p.z, p.w);
+  }
+}
+
 // 8-byte asynchronous copy global -> shared (sm_80+); zero-fills when !valid.
 __device__ __forceinline__ void copy_async(float2* dst, const float2* src, bool valid) {
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -206,12 +216,7 @@ __global__ void __launch_bounds__(kMaxFdLanes * kLaneThreads, 1)
 #pragma unroll
     for (int k = 0; k < kChunkCi; ++k) {
       float2 xv[8], wv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float4 p = xrow[k * (kTileB / 2) + i];
-        xv[2 * i] = make_float2(p.x, p.y);
-        xv[2 * i + 1] = make_float2(p.z, p.w);
-      }
+      load_eight(xrow + k * (kTileB / 2), xv);
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const float4 p = wrow[k * (kTileCo / 2) + j];
@@ -439,12 +444,7 @@ __device__ __forceinline__ void multiply_small(const SmallArgs& a, const SmallLa
       }
     }
     float2 xv[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 p = xrow[ci * (kSmallTileB / 2) + i];
-      xv[2 * i] = make_float2(p.x, p.y);
-      xv[2 * i + 1] = make_float2(p.z, p.w);
-    }
+    load_eight(xrow + ci * (kSmallTileB / 2), xv);
 #pragma unroll
     for (int i = 0; i < 8; ++i)
 #pragma unroll
