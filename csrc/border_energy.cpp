@@ -184,19 +184,54 @@ TapPick tap_pick(const ConvGeometry& g, const Region& r, const at::TensorOptions
   return {index.contiguous(), valid.expand(index.sizes()).to(opts)};
 }
 
-// The picks of every region of g's geometry, cached per stream (table_cache.h).
-std::vector<TapPick> tap_picks(const Backend& backend, const ConvGeometry& g,
-                               const std::vector<Region>& rs, const at::Tensor& w) {
-  static auto* cache = new TableCache<std::vector<TapPick>>();  // never destroyed: CUDA tensors at exit
+// [F, k] long, for a region problem with at most one position or tap > 1 per dim: the
+// input position each (output position, tap) pair reads, or L (one past the inputs, where
+// im2col puts a zero) where none lands there (i s + t dilation = o).
+at::Tensor im2col_columns(const ConvGeometry& sub, const at::TensorOptions& opts) {
+  const auto lopts = opts.dtype(at::kLong);
+  int64_t s = 1, dil = 1;
+  for (int q = 0; q < 3; ++q) {
+    if (sub.in_size[q] > 1 || sub.kernel[q] > 1) {
+      s = sub.stride[q];
+      dil = sub.dilation[q];
+    }
+  }
+  const int64_t L = sub.in_spatial();
+  const auto offset = at::arange(sub.out_spatial(), lopts).view({-1, 1}) -
+                      at::arange(sub.taps(), lopts).view({1, -1}) * dil;
+  const auto i = at::div(offset, s, "floor");
+  const auto lands = (offset >= 0) & (offset.remainder(s) == 0) & (i < L);
+  return at::where(lands, i, at::full_like(i, L));
+}
+
+struct RegionTables {
+  TapPick pick;
+  at::Tensor columns;  // im2col_columns, for the regions whose outputs are formed (values_pay)
+};
+
+// Lines and corners (a region with at most one whole dim) are formed outright: their
+// outputs are few (pad2: 36 per line and channel), and a padding-0 problem's pipeline cost
+// them hundreds of ATen ops each (docs/performance.md, 2026-12-01 06:17 UTC).
+bool values_pay(const Region& r) { return r.dims() >= 2; }
+
+// The tables of every region of g's geometry, cached per stream (table_cache.h).
+std::vector<RegionTables> region_tables(const Backend& backend, const ConvGeometry& g,
+                                        const ConvGeometry& full, const std::vector<Region>& rs,
+                                        const at::Tensor& w) {
+  static auto* cache = new TableCache<std::vector<RegionTables>>();  // never destroyed: CUDA tensors at exit
   std::vector<int64_t> key = {static_cast<int64_t>(w.scalar_type())};
   for (int d = 0; d < 3; ++d) {
     key.insert(key.end(), {g.in_size[d], g.kernel[d], g.stride[d], g.dilation[d], g.padding[d],
                            g.output_padding[d]});
   }
   return cache->get(std::move(key), w.device(), backend.table_stream(w.device()), [&] {
-    std::vector<TapPick> picks;
-    for (const Region& r : rs) picks.push_back(tap_pick(g, r, w.options()));
-    return picks;
+    std::vector<RegionTables> tables;
+    for (const Region& r : rs) {
+      const at::Tensor columns =
+          values_pay(r) ? im2col_columns(region_geometry(full, r), w.options()) : at::Tensor();
+      tables.push_back({tap_pick(g, r, w.options()), columns});
+    }
+    return tables;
   });
 }
 
@@ -219,18 +254,34 @@ at::Tensor region_weight(const at::Tensor& w, const ConvGeometry& g, const Regio
                                         sub.kernel[1], sub.kernel[2]});
 }
 
-// [B, Co] double: each sample's conv sum (bias excluded) from the reductions `sums`
-// (sample_sums.h: sum over the group's ci and the parts j of x_red w_red).
-at::Tensor conv_sums(const SampleSumTensors& sums, const ConvGeometry& g) {
-  const int64_t G = g.groups, cig = g.in_group_channels(), cog = g.out_group_channels();
-  const auto x_red = sums.x_red.view({g.batch, G, cig, sums.x_red.size(2)});
-  const auto w_red = sums.w_red.view({G, cig, cog, sums.w_red.size(2)});
-  if (G == 1 && w_red.size(3) == 1) {  // the regions' sums: one GEMM, not einsum's chain
-    return at::mm(x_red.sum(3).view({g.batch, cig}), w_red.view({cig, cog}));
+// Bytes of im2col columns formed at once (float64): bounds the lines' extra memory.
+constexpr int64_t kColumnBytes = int64_t(64) << 20;
+
+// sum over the region of (y - m)^2 per channel [Co] for a region with at most one whole dim
+// (values_pay), from its outputs y formed in float64 (products of float32 values are exact
+// there): im2col over that dim's taps and one GEMM per group, over slices of the batch.
+at::Tensor region_values_energy(const at::Tensor& x, const at::Tensor& w, const ConvGeometry& sub,
+                                const at::Tensor& columns, const at::Tensor& crop_means,
+                                int64_t planes_out) {
+  const int64_t G = sub.groups, cig = sub.in_group_channels(), cog_all = sub.out_group_channels();
+  const int64_t L = sub.in_spatial(), F = sub.out_spatial(), k = sub.taps();
+  const int64_t cog = cog_all / planes_out;
+  const auto wd = w.to(at::kDouble).reshape({G, cig, cog_all, k}).permute({0, 1, 3, 2})
+                      .reshape({G, cig * k, cog_all});
+  // x with a zero position appended, which the columns read where no input lands.
+  const auto xd = at::constant_pad_nd(x.reshape({sub.batch, sub.in_channels, L}).to(at::kDouble), {0, 1});
+  const auto means = crop_means.permute({1, 0, 2, 3}).unsqueeze(2);  // [G, B, 1, 1, cog]
+  const int64_t sample_bytes = F * sub.in_channels * k * int64_t(sizeof(double));
+  const int64_t slice = std::max<int64_t>(1, kColumnBytes / sample_bytes);
+  auto total = at::zeros({G, cog}, xd.options());
+  for (int64_t b0 = 0; b0 < sub.batch; b0 += slice) {
+    const int64_t n = std::min(slice, sub.batch - b0);
+    const auto cols = xd.narrow(0, b0, n).index_select(2, columns.flatten())
+                          .view({n, G, cig, F, k}).permute({1, 0, 3, 2, 4}).reshape({G, n * F, cig * k});
+    auto y = at::bmm(cols, wd).view({G, n, F, planes_out, cog});
+    total.add_(y.sub_(means.narrow(1, b0, n)).square_().sum(at::IntArrayRef{1, 2, 3}));
   }
-  const auto s = w_red.size(3) == 1 ? at::einsum("bgi,gic->bgc", {x_red.sum(3), w_red.squeeze(3)})
-                                    : at::einsum("bgij,gicj->bgc", {x_red, w_red});
-  return s.reshape({g.batch, g.out_channels});
+  return total.view({G * cog});
 }
 
 // sum over the region of (y - m)^2 per channel [Co], m the crop's sample means [B, G, 1, Cog]:
@@ -241,13 +292,11 @@ at::Tensor region_energy(const Backend& backend, const at::Tensor& x, const at::
   const SampleSumTensors sums = backend.sample_sums(x, w);
   const int64_t G = sub.groups, cog = sub.out_group_channels() / planes_out;
   const double n = static_cast<double>(sub.out_spatial());
-  const auto means = conv_sums(sums, sub).view({sub.batch, G, planes_out, cog}).div_(n);
+  const auto means = sample_conv_sums(sums, sub).view({sub.batch, G, planes_out, cog}).div_(n);
   auto total = means.sub_(crop_means).square_().sum(at::IntArrayRef{0, 2}).mul_(n);
-  if (sub.out_spatial() > 1) {  // one position per slice: no spread within it
-    const EnergyAlgo algo = backend.auto_energy_algo(sub, x.scalar_type());
-    const auto e = energy_of(backend, algo, x, w, sums, sub);
-    total.add_(e.sum(at::IntArrayRef{0, 2}).view({G, planes_out, cog}).sum(1));
-  }
+  const EnergyAlgo algo = backend.auto_energy_algo(sub, x.scalar_type());
+  const auto e = energy_of(backend, algo, x, w, sums, sub);
+  total.add_(e.sum(at::IntArrayRef{0, 2}).view({G, planes_out, cog}).sum(1));
   return total.view({G * cog});
 }
 
@@ -262,8 +311,8 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
                          const SampleSumTensors& sums, const ConvGeometry& g) {
   const ConvGeometry full = full_geometry(g);
   const std::vector<Region> rs = regions(g, full);
-  const std::vector<TapPick> picks = tap_picks(backend, g, rs, weight);
-  const auto crop_means = conv_sums(sums, g)
+  const std::vector<RegionTables> tables = region_tables(backend, g, full, rs, weight);
+  const auto crop_means = sample_conv_sums(sums, g)
                               .div_(static_cast<double>(g.out_spatial()))
                               .view({g.batch, g.groups, 1, g.out_group_channels()});
   auto energy = at::zeros({g.out_channels}, x.options().dtype(at::kDouble));
@@ -272,8 +321,10 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
     const ConvGeometry sub = region_geometry(full, r);
     const bool whole = r.dims() == 0;
     const at::Tensor xs = whole ? x : region_input(x, r, sub);
-    const at::Tensor ws = whole ? weight : region_weight(weight, g, r, picks[k], sub);
-    const auto term = region_energy(backend, xs, ws, sub, crop_means, r.planes_out());
+    const at::Tensor ws = whole ? weight : region_weight(weight, g, r, tables[k].pick, sub);
+    const auto term = values_pay(r)
+                          ? region_values_energy(xs, ws, sub, tables[k].columns, crop_means, r.planes_out())
+                          : region_energy(backend, xs, ws, sub, crop_means, r.planes_out());
     energy.add_(term, r.dims() % 2 == 0 ? 1.0 : -1.0);
   }
   return energy.view({1, g.out_channels, 1});

@@ -129,6 +129,9 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
 // (box_sums).
 at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::Tensor& weight,
                          const SampleSumTensors& sums, const ConvGeometry& g);
+// [B, Co] double: each sample's conv sum (bias excluded) from the reductions `sums`, the
+// contraction of sample_sums.h as ATen ops.
+at::Tensor sample_conv_sums(const SampleSumTensors& sums, const ConvGeometry& g);
 // The share of the padding-0 grid's positions that the crop keeps (1 without padding).
 double crop_fraction(const ConvGeometry& g);
 // The energy by `algo` (x in the energy's dtype, any layout; weight contiguous in it):
