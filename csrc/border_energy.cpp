@@ -70,7 +70,9 @@ struct Region {
 
 // The region's problem keeps a whole dim of x as its depth where it has one: the FFT
 // path's kernel spreads a block's threads over the depth frequencies, and with one
-// position there it ran blocks of 16 threads (docs/performance.md, 2026-12-01 06:06 UTC).
+// position there it runs blocks of 16 threads. Measured only together with other changes
+// (docs/performance.md, 2026-12-01 06:17 UTC): whether it pays for the depth's planes on
+// their own is open.
 void set_order(Region& r) {
   r.order[0] = 0;
   r.order[1] = 1;

@@ -128,14 +128,14 @@ double direct_work(const ConvGeometry& g) {
 // against 0.054).
 constexpr double kDirectMaxWork = 1e8;
 
-// With padding, the border's terms (docs/math.md §3.6) issue about 2000 ATen ops and 500
-// launches per call (5.7 ms of host time on the H200's machine) and run the FFT path on
-// composite channels: they pay where cuDNN's strict float32 convolution takes longer than
-// that, and where the crop keeps most of the grid (the terms it subtracts are about
-// 1 / fraction times its energy, their rounding amplified as much). docs/performance.md,
-// 2026-12-01 06:17 UTC: pad2 (2.7e11 multiply-adds, crop 0.63) 11.8 ms against sliced_conv's
-// 33.2; t8pad1 (1.1e8) 1.28 against 0.091. Where between them the two cross was not measured:
-// 1e11 is sliced_conv's 12 ms at pad2's rate.
+// With padding, the border's terms (docs/math.md §3.6) issue about 550 launches per call
+// (4.8 ms of host time on the H200's machine) and run padding-0 paths on composite channels:
+// they pay where cuDNN's strict float32 convolution takes longer than that, and where the crop
+// keeps most of the grid (the terms it subtracts are about 1 / fraction times its energy,
+// their rounding amplified as much). docs/performance.md, 2026-12-01 06:38 UTC: pad2 (2.7e11
+// multiply-adds, crop 0.63) 5.9 ms against sliced_conv's 33.0; t8pad1 (1.1e8) 1.31 against
+// 0.095. Where between them the two cross was not measured: 1e11 is sliced_conv's 12 ms at
+// pad2's rate.
 constexpr double kBorderMinWork = 1e11;
 bool border_pays(const ConvGeometry& g) {
   return direct_work(g) >= kBorderMinWork && crop_fraction(g) >= 0.5;
