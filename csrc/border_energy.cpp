@@ -256,7 +256,8 @@ at::Tensor region_weight(const at::Tensor& w, const ConvGeometry& g, const Regio
                                         sub.kernel[1], sub.kernel[2]});
 }
 
-// Bytes of im2col columns formed at once (float64): bounds the lines' extra memory.
+// Bytes of im2col columns (or of outputs, where more) formed at once, float64: bounds the
+// lines' extra memory beside their weight.
 constexpr int64_t kColumnBytes = int64_t(64) << 20;
 
 // sum over the region of (y - m)^2 per channel [Co] for a region with at most one whole dim
@@ -273,7 +274,8 @@ at::Tensor region_values_energy(const at::Tensor& x, const at::Tensor& w, const 
   // x with a zero position appended, which the columns read where no input lands.
   const auto xd = at::constant_pad_nd(x.reshape({sub.batch, sub.in_channels, L}).to(at::kDouble), {0, 1});
   const auto means = crop_means.permute({1, 0, 2, 3}).unsqueeze(2);  // [G, B, 1, 1, cog]
-  const int64_t sample_bytes = F * sub.in_channels * k * int64_t(sizeof(double));
+  const int64_t sample_bytes =
+      F * std::max(sub.in_channels * k, sub.out_channels) * int64_t(sizeof(double));
   const int64_t slice = std::max<int64_t>(1, kColumnBytes / sample_bytes);
   auto total = at::zeros({G, cog}, xd.options());
   for (int64_t b0 = 0; b0 < sub.batch; b0 += slice) {
@@ -303,6 +305,17 @@ at::Tensor region_energy(const Backend& backend, const at::Tensor& x, const at::
 }
 
 }  // namespace
+
+int64_t border_weight_bytes(const ConvGeometry& g) {
+  const ConvGeometry full = full_geometry(g);
+  int64_t most = 0;
+  for (const Region& r : regions(g, full)) {
+    const ConvGeometry sub = region_geometry(full, r);
+    const int64_t entries = sub.in_channels * sub.out_group_channels() * sub.taps();
+    most = std::max<int64_t>(most, entries * (values_pay(r) ? 8 : 4));
+  }
+  return most;
+}
 
 double crop_fraction(const ConvGeometry& g) {
   const ConvGeometry full = full_geometry(g);

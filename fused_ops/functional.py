@@ -69,7 +69,8 @@ def ct_bn_pool(
             ``"auto"`` (default: on CUDA, with a stride and padding 0, ``"cross_spectrum"``,
             or ``"correlation"`` where every stride phase has one tap; otherwise ``"direct"``
             where the convolution is under 1e8 multiply-adds, then with padding ``"border"``
-            from 1e11 multiply-adds where the crop keeps half of the grid, else
+            from 1e11 multiply-adds where the crop keeps half of the grid and its terms'
+            weights stay under 64 MiB, else
             ``"sliced_conv"``; without padding ``"fft"`` where it applies
             (``"cross_spectrum"`` there where its work is the smaller and reaches 4e8
             multiply-adds), else ``"sliced_conv"``;

@@ -126,3 +126,17 @@ def test_auto_on_cuda_takes_border_on_large_padded_problems():
         assert relerr(out, sliced.train()(x)) <= 2e-6
     for name in ("running_mean", "running_var"):
         assert relerr(getattr(fused.batch_norm, name), getattr(sliced.batch_norm, name)) <= 2e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_on_cuda_leaves_border_where_its_weights_are_large():
+    """A 7-tap kernel with padding 3 on 256 channels: 3.7e11 multiply-adds, the crop keeps 0.52
+    of the grid, but a line's weight would hold 256 * 256 * 81 * 7 float64 values (297 MB):
+    auto takes cuDNN over slices (csrc/cuda/ct_bn_pool_cuda.cpp, border_pays)."""
+    p = Problem(1, 256, 256, (16, 32, 32), (7, 7, 7), conv_kwargs=dict(padding=3))
+    _, fused = make_models(p, torch.float32, "cuda")
+    x = make_input(p, torch.float32, "cuda")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fused.train()(x)
+        torch.cuda.synchronize()
+    assert any(e.name == "aten::_convolution" for e in prof.events())
