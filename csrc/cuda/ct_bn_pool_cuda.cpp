@@ -125,7 +125,9 @@ double direct_work(const ConvGeometry& g) {
 // Below this work the direct kernel's one launch beats the FFT path's chain of seven
 // (docs/performance.md, 2026-12-01 00:0x UTC runs: odd 5.2e6 multiply-adds, direct 0.025 ms
 // against fft 0.037 and eager 0.028; t8 5.5e7, 0.041 against 0.044; t8c32 2.2e8, 0.059
-// against 0.054).
+// against 0.054). Since the FFT path's small-batch kernel (2026-12-01 06:20 UTC) t8's fft
+// takes 0.035 against direct's 0.039 and odd's 0.031 against 0.025: the crossing lies
+// between them now, not yet re-measured (padded problems take this threshold too).
 constexpr double kDirectMaxWork = 1e8;
 
 // With padding, the border's terms (docs/math.md §3.6) issue about 550 launches per call
