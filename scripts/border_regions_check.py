@@ -4,9 +4,11 @@ for choosing the path a region takes: the three dims' plane problems of a bench 
 
     python scripts/border_regions_check.py [--problem NAME] [--algos fft,cross_spectrum,sliced_conv]
 
-CUDA events around each call after warm-up, median of 10 calls, inputs rotated over 4 tensors.
+Timed as the bench times its rows (bench_ct_bn_pool.CudaClock: CUDA events, warm-up, the
+host's issue hidden behind a GPU sleep, median of 10 calls), inputs rotated over 4 tensors.
 """
 import argparse
+import itertools
 import os
 import sys
 
@@ -15,7 +17,7 @@ import torch
 import fused_ops
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-from bench_ct_bn_pool import CUDA_PROBLEMS, conv_options  # noqa: E402
+from bench_ct_bn_pool import CUDA_PROBLEMS, CudaClock, conv_options  # noqa: E402
 
 
 def plane_problems(name):
@@ -30,28 +32,15 @@ def plane_problems(name):
             ("w", (batch, ci2, d, h, 1), (ci2, co2, k, k, 1))]
 
 
-def gpu_ms(call, inputs, reps=10):
-    for x in inputs:
-        call(x)
-    times = []
-    for i in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(1e6))  # the host's issue hidden behind it
-        start.record()
-        call(inputs[i % len(inputs)])
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--problem", default="pad2")
     parser.add_argument("--algos", default="fft,cross_spectrum,sliced_conv")
     args = parser.parse_args()
+    clock = CudaClock()
     for label, x_shape, w_shape in plane_problems(args.problem):
         inputs = [torch.randn(x_shape, device="cuda") for _ in range(4)]
+        next_input = itertools.cycle(inputs).__next__
         weight = torch.randn(w_shape, device="cuda")
         row = []
         for algo in args.algos.split(","):
@@ -59,7 +48,7 @@ def main():
                 return fused_ops.ct_bn_pool(x, weight, None, 2.0, None, None, None, None, True,
                                             0.1, 1e-5, algo=algo)
             with torch.no_grad():
-                row.append(f"{algo} {gpu_ms(call, inputs):.3f}")
+                row.append(f"{algo} {clock.measure(call, next_input, 10).ms:.3f}")
         print(f"{args.problem} plane {label}: x {list(x_shape)}, weight {list(w_shape)}: "
               + ", ".join(row) + " ms")
 
