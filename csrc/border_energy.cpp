@@ -10,6 +10,7 @@
 #include "ct_bn_pool.h"
 
 #include <algorithm>
+#include <array>
 #include <vector>
 
 #include "table_cache.h"
@@ -52,11 +53,25 @@ std::vector<Side> cut_sides(const ConvGeometry& g, const ConvGeometry& full, int
 }
 
 // A term of the inclusion–exclusion: the dims in `cut` restricted to one side of their
-// cut each, the others whole. `order[q]`: the dim of x at the region's problem's dim q.
+// cut each, the others whole.
 struct Region {
   bool cut[3];
   Side side[3];
-  int order[3];
+  // order()[q]: the dim of x at the region's problem's dim q. It keeps a whole dim of x as
+  // the problem's depth where there is one: the FFT path's kernel spreads a block's threads
+  // over the depth frequencies, and with one position there it runs blocks of 16 threads.
+  // Measured only together with other changes (docs/performance.md, 2026-12-01 06:17 UTC):
+  // whether it pays for the depth's planes on their own is open.
+  std::array<int, 3> order() const {
+    std::array<int, 3> o = {0, 1, 2};
+    for (int q = 1; q < 3 && cut[0]; ++q) {
+      if (!cut[q]) {
+        std::swap(o[0], o[q]);
+        break;
+      }
+    }
+    return o;
+  }
   int64_t planes_in() const { return product([](const Side& s) { return s.ni; }); }
   int64_t planes_out() const { return product([](const Side& s) { return s.nj; }); }
   int dims() const { return int(cut[0]) + int(cut[1]) + int(cut[2]); }
@@ -68,25 +83,8 @@ struct Region {
   }
 };
 
-// The region's problem keeps a whole dim of x as its depth where it has one: the FFT
-// path's kernel spreads a block's threads over the depth frequencies, and with one
-// position there it runs blocks of 16 threads. Measured only together with other changes
-// (docs/performance.md, 2026-12-01 06:17 UTC): whether it pays for the depth's planes on
-// their own is open.
-void set_order(Region& r) {
-  r.order[0] = 0;
-  r.order[1] = 1;
-  r.order[2] = 2;
-  for (int q = 1; q < 3 && r.cut[0]; ++q) {
-    if (!r.cut[q]) {
-      std::swap(r.order[0], r.order[q]);
-      return;
-    }
-  }
-}
-
 std::vector<Region> regions(const ConvGeometry& g, const ConvGeometry& full) {
-  std::vector<Region> out = {Region{{false, false, false}, {}, {0, 1, 2}}};
+  std::vector<Region> out = {Region{{false, false, false}, {}}};
   for (int d = 0; d < 3; ++d) {
     const std::vector<Side> sides = cut_sides(g, full, d);
     const size_t before = out.size();
@@ -95,7 +93,6 @@ std::vector<Region> regions(const ConvGeometry& g, const ConvGeometry& full) {
         Region next = out[r];
         next.cut[d] = true;
         next.side[d] = s;
-        set_order(next);
         out.push_back(next);
       }
     }
@@ -107,8 +104,9 @@ std::vector<Region> regions(const ConvGeometry& g, const ConvGeometry& full) {
 // and output planes folded into the channels as (ci, planes) and (planes, co) per group.
 ConvGeometry region_geometry(const ConvGeometry& full, const Region& r) {
   ConvGeometry sub = full;
+  const std::array<int, 3> order = r.order();
   for (int q = 0; q < 3; ++q) {
-    const int d = r.order[q];
+    const int d = order[q];
     const bool cut = r.cut[d];
     sub.in_size[q] = cut ? 1 : full.in_size[d];
     sub.out_size[q] = cut ? 1 : full.out_size[d];
@@ -134,7 +132,7 @@ at::Tensor region_input(const at::Tensor& x, const Region& r, const ConvGeometry
       order.push_back(2 + d);
     }
   }
-  for (const int d : r.order) {
+  for (const int d : r.order()) {
     if (!r.cut[d]) order.push_back(2 + d);
   }
   return t.permute(order).reshape(
@@ -154,7 +152,7 @@ TapPick tap_pick(const ConvGeometry& g, const Region& r, const at::TensorOptions
   const int cut_dims = r.dims(), axes = 3 + cut_dims;
   at::Tensor index = at::zeros({}, lopts), valid = at::ones({}, lopts.dtype(at::kBool));
   int kept_axis[3] = {0, 0, 0}, kept = 0;
-  for (const int d : r.order) {
+  for (const int d : r.order()) {
     if (!r.cut[d]) kept_axis[d] = 2 * cut_dims + kept++;
   }
   int cut_seen = 0;
