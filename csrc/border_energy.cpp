@@ -204,33 +204,97 @@ at::Tensor im2col_columns(const ConvGeometry& sub, const at::TensorOptions& opts
   return at::where(lands, i, at::full_like(i, L));
 }
 
-struct RegionTables {
-  TapPick pick;
-  at::Tensor columns;  // im2col_columns, for the regions whose outputs are formed (values_pay)
-};
-
 // Lines and corners (a region with at most one whole dim) are formed outright: their
 // outputs are few (pad2: 36 per line and channel), and a padding-0 problem's pipeline cost
 // them hundreds of ATen ops each (docs/performance.md, 2026-12-01 06:17 UTC).
 bool values_pay(const Region& r) { return r.dims() >= 2; }
 
-// The tables of every region of g's geometry, cached per stream (table_cache.h).
-std::vector<RegionTables> region_tables(const Backend& backend, const ConvGeometry& g,
-                                        const ConvGeometry& full, const std::vector<Region>& rs,
-                                        const at::Tensor& w) {
-  static auto* cache = new TableCache<std::vector<RegionTables>>();  // never destroyed: CUDA tensors at exit
+// [P_in, L] long: x's flat (d, h, w) offsets of the region's inputs, the cut dims' planes
+// (in dim order) by the whole dim's positions (one where every dim is cut).
+at::Tensor input_positions(const ConvGeometry& g, const Region& r, const at::TensorOptions& opts) {
+  const auto lopts = opts.dtype(at::kLong);
+  const int64_t steps[3] = {g.in_size[1] * g.in_size[2], g.in_size[2], 1};
+  at::Tensor planes = at::zeros({1}, lopts), positions = at::zeros({1}, lopts);
+  for (int d = 0; d < 3; ++d) {
+    if (r.cut[d]) {
+      const auto i = at::arange(r.side[d].i0, r.side[d].i0 + r.side[d].ni, lopts) * steps[d];
+      planes = (planes.view({-1, 1}) + i.view({1, -1})).flatten();
+    } else {
+      positions = at::arange(g.in_size[d], lopts) * steps[d];
+    }
+  }
+  return planes.view({-1, 1}) + positions.view({1, -1});
+}
+
+// Lines and corners whose cut sides have the same plane counts (both sides of a symmetric
+// padding) have problems of one shape, differing only in x's planes and the weight's taps:
+// they are formed together, one batched GEMM per group of them.
+struct ValueGroup {
+  std::vector<size_t> members;  // indices into the regions, all of one sign
+  at::Tensor positions;         // [R, P_in * L] long: input_positions of each member
+  at::Tensor tap_index, tap_mask;  // [R, P_in, P_out, k]: each member's TapPick
+  at::Tensor columns;           // [F, k]: im2col_columns of their (common) problem
+};
+
+std::vector<ValueGroup> value_groups(const ConvGeometry& g, const ConvGeometry& full,
+                                     const std::vector<Region>& rs, const at::TensorOptions& opts) {
+  std::vector<ValueGroup> groups;
+  std::vector<std::vector<int64_t>> keys;
+  for (size_t k = 0; k < rs.size(); ++k) {
+    if (!values_pay(rs[k])) continue;
+    std::vector<int64_t> key;
+    for (int d = 0; d < 3; ++d) {
+      key.insert(key.end(), {rs[k].cut[d], rs[k].cut[d] ? rs[k].side[d].ni : 0,
+                             rs[k].cut[d] ? rs[k].side[d].nj : 0});
+    }
+    const auto at = std::find(keys.begin(), keys.end(), key);
+    if (at == keys.end()) {
+      keys.push_back(key);
+      groups.push_back({{k}, {}, {}, {}, {}});
+    } else {
+      groups[at - keys.begin()].members.push_back(k);
+    }
+  }
+  for (ValueGroup& vg : groups) {
+    std::vector<at::Tensor> positions, index, mask;
+    for (const size_t k : vg.members) {
+      const TapPick pick = tap_pick(g, rs[k], opts);
+      positions.push_back(input_positions(g, rs[k], opts).flatten());
+      index.push_back(pick.index.flatten());
+      mask.push_back(pick.mask.flatten());
+    }
+    const ConvGeometry sub = region_geometry(full, rs[vg.members[0]]);
+    const std::vector<int64_t> shape = {static_cast<int64_t>(vg.members.size()),
+                                        rs[vg.members[0]].planes_in(),
+                                        rs[vg.members[0]].planes_out(), sub.taps()};
+    vg.positions = at::stack(positions);
+    vg.tap_index = at::stack(index).view(shape);
+    vg.tap_mask = at::stack(mask).view(shape);
+    vg.columns = im2col_columns(sub, opts);
+  }
+  return groups;
+}
+
+struct RegionTables {
+  std::vector<TapPick> picks;     // per region; undefined for the value groups' members
+  std::vector<ValueGroup> groups;
+};
+
+// The tables of g's geometry, cached per stream (table_cache.h).
+RegionTables region_tables(const Backend& backend, const ConvGeometry& g, const ConvGeometry& full,
+                           const std::vector<Region>& rs, const at::Tensor& w) {
+  static auto* cache = new TableCache<RegionTables>();  // never destroyed: CUDA tensors at exit
   std::vector<int64_t> key = {static_cast<int64_t>(w.scalar_type())};
   for (int d = 0; d < 3; ++d) {
     key.insert(key.end(), {g.in_size[d], g.kernel[d], g.stride[d], g.dilation[d], g.padding[d],
                            g.output_padding[d]});
   }
   return cache->get(std::move(key), w.device(), backend.table_stream(w.device()), [&] {
-    std::vector<RegionTables> tables;
+    RegionTables tables;
     for (const Region& r : rs) {
-      const at::Tensor columns =
-          values_pay(r) ? im2col_columns(region_geometry(full, r), w.options()) : at::Tensor();
-      tables.push_back({tap_pick(g, r, w.options()), columns});
+      tables.picks.push_back(values_pay(r) || r.dims() == 0 ? TapPick{} : tap_pick(g, r, w.options()));
     }
+    tables.groups = value_groups(g, full, rs, w.options());
     return tables;
   });
 }
@@ -258,30 +322,40 @@ at::Tensor region_weight(const at::Tensor& w, const ConvGeometry& g, const Regio
 // lines' extra memory beside their weight.
 constexpr int64_t kColumnBytes = int64_t(64) << 20;
 
-// sum over the region of (y - m)^2 per channel [Co] for a region with at most one whole dim
-// (values_pay), from its outputs y formed in float64 (products of float32 values are exact
-// there): im2col over that dim's taps and one GEMM per group, over slices of the batch.
-at::Tensor region_values_energy(const at::Tensor& x, const at::Tensor& w, const ConvGeometry& sub,
-                                const at::Tensor& columns, const at::Tensor& crop_means,
-                                int64_t planes_out) {
-  const int64_t G = sub.groups, cig = sub.in_group_channels(), cog_all = sub.out_group_channels();
+// sum over a value group's regions of (y - m)^2 per channel [Co], m the crop's sample means
+// [B, G, 1, Cog], from their outputs y formed in float64 (products of float32 values are exact
+// there): x's planes gathered, im2col over the whole dim's taps, one GEMM per (region, group),
+// over slices of the batch.
+at::Tensor group_values_energy(const at::Tensor& x, const at::Tensor& w, const ConvGeometry& g,
+                               const ConvGeometry& sub, const ValueGroup& vg, int64_t planes_in,
+                               int64_t planes_out, const at::Tensor& crop_means) {
+  const int64_t R = static_cast<int64_t>(vg.members.size()), G = g.groups;
+  const int64_t cig = g.in_group_channels(), cog = g.out_group_channels();
   const int64_t L = sub.in_spatial(), F = sub.out_spatial(), k = sub.taps();
-  const int64_t cog = cog_all / planes_out;
-  const auto wd = w.to(at::kDouble).reshape({G, cig, cog_all, k}).permute({0, 1, 3, 2})
-                      .reshape({G, cig * k, cog_all});
-  // x with a zero position appended, which the columns read where no input lands.
-  const auto xd = at::constant_pad_nd(x.reshape({sub.batch, sub.in_channels, L}).to(at::kDouble), {0, 1});
-  const auto means = crop_means.permute({1, 0, 2, 3}).unsqueeze(2);  // [G, B, 1, 1, cog]
+  // [R G, cig P_in k, P_out cog]: each member's weight, its rows (ci, planes, tap).
+  auto picked = w.view({g.in_channels, cog, g.taps()}).index_select(2, vg.tap_index.flatten());
+  picked = picked.view({G, cig, cog, R, planes_in, planes_out, k}).mul_(vg.tap_mask);
+  const auto wd = picked.permute({3, 0, 1, 4, 6, 5, 2})
+                      .reshape({R * G, cig * planes_in * k, planes_out * cog}).to(at::kDouble);
+  const auto xs = x.reshape({g.batch, g.in_channels, g.in_spatial()});
+  const auto means = crop_means.permute({1, 0, 2, 3}).reshape({1, G, g.batch, 1, 1, cog});
   const int64_t sample_bytes =
-      F * std::max(sub.in_channels * k, sub.out_channels) * int64_t(sizeof(double));
+      R * F * std::max(g.in_channels * planes_in * k, g.out_channels * planes_out) * int64_t(sizeof(double));
   const int64_t slice = std::max<int64_t>(1, kColumnBytes / sample_bytes);
-  auto total = at::zeros({G, cog}, xd.options());
-  for (int64_t b0 = 0; b0 < sub.batch; b0 += slice) {
-    const int64_t n = std::min(slice, sub.batch - b0);
-    const auto cols = xd.narrow(0, b0, n).index_select(2, columns.flatten())
-                          .view({n, G, cig, F, k}).permute({1, 0, 3, 2, 4}).reshape({G, n * F, cig * k});
-    auto y = at::bmm(cols, wd).view({G, n, F, planes_out, cog});
-    total.add_(y.sub_(means.narrow(1, b0, n)).square_().sum(at::IntArrayRef{1, 2, 3}));
+  auto total = at::zeros({G, cog}, x.options().dtype(at::kDouble));
+  for (int64_t b0 = 0; b0 < g.batch; b0 += slice) {
+    const int64_t n = std::min(slice, g.batch - b0);
+    // x's planes of every member, a zero position appended that the columns read where no
+    // input lands: [n, Ci, R P_in, L + 1].
+    const auto planes = at::constant_pad_nd(
+        xs.narrow(0, b0, n).index_select(2, vg.positions.flatten()).to(at::kDouble)
+            .view({n, g.in_channels, R * planes_in, L}), {0, 1});
+    const auto cols = planes.index_select(3, vg.columns.flatten())
+                          .view({n, G, cig, R, planes_in, F, k})
+                          .permute({3, 1, 0, 5, 2, 4, 6})
+                          .reshape({R * G, n * F, cig * planes_in * k});
+    auto y = at::bmm(cols, wd).view({R, G, n, F, planes_out, cog});
+    total.add_(y.sub_(means.narrow(2, b0, n)).square_().sum(at::IntArrayRef{0, 2, 3, 4}));
   }
   return total.view({G * cog});
 }
@@ -324,20 +398,25 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
                          const SampleSumTensors& sums, const ConvGeometry& g) {
   const ConvGeometry full = full_geometry(g);
   const std::vector<Region> rs = regions(g, full);
-  const std::vector<RegionTables> tables = region_tables(backend, g, full, rs, weight);
+  const RegionTables tables = region_tables(backend, g, full, rs, weight);
   const auto crop_means = sample_conv_sums(sums, g)
                               .div_(static_cast<double>(g.out_spatial()))
                               .view({g.batch, g.groups, 1, g.out_group_channels()});
   auto energy = at::zeros({g.out_channels}, x.options().dtype(at::kDouble));
   for (size_t k = 0; k < rs.size(); ++k) {
     const Region& r = rs[k];
+    if (values_pay(r)) continue;  // in the value groups below
     const ConvGeometry sub = region_geometry(full, r);
     const bool whole = r.dims() == 0;
     const at::Tensor xs = whole ? x : region_input(x, r, sub);
-    const at::Tensor ws = whole ? weight : region_weight(weight, g, r, tables[k].pick, sub);
-    const auto term = values_pay(r)
-                          ? region_values_energy(xs, ws, sub, tables[k].columns, crop_means, r.planes_out())
-                          : region_energy(backend, xs, ws, sub, crop_means, r.planes_out());
+    const at::Tensor ws = whole ? weight : region_weight(weight, g, r, tables.picks[k], sub);
+    const auto term = region_energy(backend, xs, ws, sub, crop_means, r.planes_out());
+    energy.add_(term, r.dims() % 2 == 0 ? 1.0 : -1.0);
+  }
+  for (const ValueGroup& vg : tables.groups) {
+    const Region& r = rs[vg.members[0]];
+    const ConvGeometry sub = region_geometry(full, r);
+    const auto term = group_values_energy(x, weight, g, sub, vg, r.planes_in(), r.planes_out(), crop_means);
     energy.add_(term, r.dims() % 2 == 0 ? 1.0 : -1.0);
   }
   return energy.view({1, g.out_channels, 1});
