@@ -32,6 +32,11 @@ FFT_PROBLEMS = [
     Problem(10, 12, 66, (3, 4, 6), (2, 2, 3), conv_kwargs=dict(groups=2, dilation=(2, 1, 2))),
     Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), bn_kwargs=dict(affine=False)),
     Problem(4, 64, 128, (6, 10, 12), (5, 5, 5)),  # the seed problem's channels
+    # x_spectrum_dft.cu's tiles: 256 rows of x per block with 8 and 10 W bins (4 and 5 bins per
+    # thread, csrc/cuda/x_spectrum_dft.cu: w_bin_tile), depth grids of 20 and 40 (radix 4: 5 rows
+    # in one pass, 10 in two passes of 8).
+    Problem(2, 8, 4, (20, 32, 26), (1, 3, 3)),
+    Problem(2, 8, 4, (38, 32, 32), (3, 5, 5)),
 ] + [p for p in random_problems(8, seed=5) if p.batch > 1 or p.size != (1, 1, 1)]
 
 # Strides and output padding: the polyphase split (docs/math.md §3.3.1).

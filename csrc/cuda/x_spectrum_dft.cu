@@ -9,8 +9,8 @@
 //   depth_dft:  one thread per (b, fh, fw, ci): the DFT over D, written into the
 //               spectrum's [Ld, Lh, Lwf, B, Ci].
 // t is a slice of the batch small enough to stay in L2 between the two. Where an axis's
-// grid is even, its DFT is split once by its inputs' index modulo 2 (H: 4 where the grid
-// allows): 1/2 (1/4) of the multiply-adds, then an R-point butterfly per R outputs.
+// grid is even, its DFT is split once by its inputs' index modulo 2 (H and D: 4 where the
+// grid allows): 1/2 (1/4) of the multiply-adds, then an R-point butterfly per R outputs.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -32,8 +32,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kMaxPlanes = 8;  // channels per plane_dft block: 64 bytes of t per frequency
-constexpr int kRowTile = 2;    // W stage: rows x bins per thread
-constexpr int kBinTile = 4;
+constexpr int kRowTile = 2;    // W stage: rows per thread
+constexpr int kBinTiles[] = {3, 4, 5};  // W stage: bins per thread, chosen per problem (w_bin_tile)
 constexpr int kFreqTile = 3;   // H stage: frequencies x bins per thread
 // Bytes of t per launch pair: the slice of the batch whose t stays in L2.
 constexpr int64_t kSliceBytes = int64_t(24) << 20;
@@ -88,18 +88,26 @@ __device__ __forceinline__ void load_planes(T* rows, const T* __restrict__ x, in
   }
 }
 
-// kBinTile adjacent table entries, 16 bytes per load.
-__device__ __forceinline__ void load_bins(const float2* src, float2 (&dst)[kBinTile]) {
+// kTile adjacent table entries: 16 bytes per load, two float2 entries at a time where the tile is
+// even (rows of whole tiles keep each pair 16-byte aligned).
+template <int kTile>
+__device__ __forceinline__ void load_bins(const float2* src, float2 (&dst)[kTile]) {
 #pragma unroll
-  for (int j = 0; j < kBinTile; j += 2) {
-    const float4 v = *reinterpret_cast<const float4*>(src + j);
-    dst[j] = float2{v.x, v.y};
-    dst[j + 1] = float2{v.z, v.w};
+  for (int j = 0; j < kTile; ++j) {
+    if constexpr (kTile % 2 == 0) {
+      if (j % 2 != 0) continue;
+      const float4 v = *reinterpret_cast<const float4*>(src + j);
+      dst[j] = float2{v.x, v.y};
+      dst[j + 1] = float2{v.z, v.w};
+    } else {
+      dst[j] = src[j];
+    }
   }
 }
-__device__ __forceinline__ void load_bins(const double2* src, double2 (&dst)[kBinTile]) {
+template <int kTile>
+__device__ __forceinline__ void load_bins(const double2* src, double2 (&dst)[kTile]) {
 #pragma unroll
-  for (int j = 0; j < kBinTile; ++j) dst[j] = src[j];
+  for (int j = 0; j < kTile; ++j) dst[j] = src[j];
 }
 
 // One axis's DFT matrix as the kernels read it, split once by a radix R dividing the grid L
@@ -109,7 +117,6 @@ __device__ __forceinline__ void load_bins(const double2* src, double2 (&dst)[kBi
 // DFT of the Y_c: (Y_0 + Y_1, Y_0 - Y_1) for R = 2; for R = 4, sum_c (-i)^(c m) Y_c.
 struct AxisDft {
   int64_t grid = 0, inputs = 0, radix = 1;
-  bool radix2() const { return radix == 2; }
   int64_t rows() const { return grid / radix; }
   int64_t columns() const { return (inputs + radix - 1) / radix; }
   int64_t twiddles() const { return (radix - 1) * rows(); }
@@ -140,24 +147,41 @@ at::Tensor axis_table(const AxisDft& axis, const at::TensorOptions& opts) {
 
 // Sizes of one problem's transforms and where their tables sit in one flat tensor
 // of x's complex dtype: W [cols, bins] then its twiddles (bins padded to whole tiles), H
-// [rows, cols] then its twiddles, D [cols, rows] (rows padded to whole passes of depth_dft)
-// then its twiddles.
+// [rows, cols] then its twiddles, D [cols, rows] then its twiddles [R - 1, rows] (D's rows
+// padded to whole passes of depth_dft).
 struct Plan {
   int64_t d, h, w, ld, lh, lw, lwf;
   AxisDft axis_w, axis_h, axis_d;
   // W's bins: x is real, so its sums past the middle of their rows are conjugates of those
   // before it (w_stage).
-  int64_t w_bins, w_bins_pad;
+  int64_t w_bins, w_bin_tile, w_bins_pad;
   int64_t h_rows_pad;  // H's input rows in shared memory: a multiple of its radix
   int64_t depth_tile;  // depth_dft's accumulator rows per pass (its template)
   int64_t depth_rows_pad;
   int64_t d_off;  // in complex entries: W's and H's tables come first, adjacent
   int64_t w_table() const { return (axis_w.columns() + axis_w.radix - 1) * w_bins_pad; }
   int64_t h_table() const { return axis_h.rows() * axis_h.columns() + axis_h.twiddles(); }
-  int64_t d_table() const { return axis_d.columns() * depth_rows_pad + (axis_d.radix2() ? depth_rows_pad : 0); }
+  int64_t d_table() const { return (axis_d.columns() + axis_d.radix - 1) * depth_rows_pad; }
 };
 
-constexpr int kDepthTiles[] = {4, 8, 10, 12, 16};
+constexpr int kDepthTiles[] = {4, 5, 8, 10, 12, 16};
+// depth_dft's sums per thread and pass (tile x radix): 64 (radix 4, 16 rows) took 255 registers
+// and a 256-byte stack in float64.
+constexpr int kMaxDepthSums = 32;
+
+// The W stage's bins per thread: its threads take kRowTile rows by that many bins each, in
+// rounds of kThreads; the tile that leaves each thread the fewest bins over its rounds. The
+// seed problem's 256 rows of 10 bins: 5, one round of 256 items, where 4 took two rounds
+// (384 items, the second half idle) and 8 bins per thread.
+int64_t w_bin_tile(int64_t bins, int64_t rows) {
+  int64_t best = 0, best_cost = 0;
+  for (const int tile : kBinTiles) {
+    const int64_t items = (rows + kRowTile - 1) / kRowTile * ((bins + tile - 1) / tile);
+    const int64_t cost = (items + kThreads - 1) / kThreads * tile;
+    if (best == 0 || cost < best_cost) best = tile, best_cost = cost;
+  }
+  return best;
+}
 
 Plan make_plan(const at::Tensor& x, const int64_t grid[3]) {
   Plan p;
@@ -165,17 +189,18 @@ Plan make_plan(const at::Tensor& x, const int64_t grid[3]) {
   p.ld = grid[0], p.lh = grid[1], p.lw = grid[2], p.lwf = grid[2] / 2 + 1;
   p.axis_w = axis_dft(p.lw, p.w, 2);
   p.w_bins = p.axis_w.rows() / 2 + 1;
-  p.w_bins_pad = (p.w_bins + kBinTile - 1) / kBinTile * kBinTile;
+  p.w_bin_tile = w_bin_tile(p.w_bins, std::min<int64_t>(kMaxPlanes, x.size(1)) * p.h);
+  p.w_bins_pad = (p.w_bins + p.w_bin_tile - 1) / p.w_bin_tile * p.w_bin_tile;
   p.axis_h = axis_dft(p.lh, p.h, 4);
-  p.axis_d = axis_dft(p.ld, p.d, 2);  // depth_dft: radix 2 at most
+  p.axis_d = axis_dft(p.ld, p.d, 4);
   p.h_rows_pad = p.axis_h.columns() * p.axis_h.radix;
+  // The smallest tile that takes every row in one pass, else the largest (several passes).
   const int64_t rows = p.axis_d.rows();
-  p.depth_tile = kDepthTiles[4];
+  p.depth_tile = 0;
   for (const int tile : kDepthTiles) {
-    if (tile >= rows) {
-      p.depth_tile = tile;
-      break;
-    }
+    if (tile * p.axis_d.radix > kMaxDepthSums) break;
+    p.depth_tile = tile;
+    if (tile >= rows) break;
   }
   p.depth_rows_pad = (rows + p.depth_tile - 1) / p.depth_tile * p.depth_tile;
   p.d_off = p.w_table() + p.h_table();
@@ -200,7 +225,11 @@ at::Tensor build_tables(const Plan& p, const at::TensorOptions& opts, at::Scalar
                                                            .t(),
                                                        {0, pad})
                                        .reshape(-1)};
-  if (p.axis_d.radix2()) parts.push_back(at::constant_pad_nd(axis_twiddles(p.axis_d, opts), {0, pad}));
+  if (p.axis_d.radix > 1) {
+    parts.push_back(
+        at::constant_pad_nd(axis_twiddles(p.axis_d, opts).view({p.axis_d.radix - 1, p.axis_d.rows()}), {0, pad})
+            .reshape(-1));
+  }
   const at::Tensor tables = at::cat(parts).to(complex);
   TORCH_INTERNAL_ASSERT(tables.numel() == p.d_off + p.d_table());
   return tables;
@@ -270,7 +299,7 @@ __device__ __forceinline__ void split_outputs(C (&z)[kRadix], const C* twiddles,
 // the odd ones are DFTs on L2 of real values, so E(L2 - k) = conj E(k), and likewise O; with
 // t = exp(-2 pi i / Lw), t^(L2 - k) = -conj t^k, so the w_bins = L2 / 2 + 1 sums k give both
 // X(k) = E + t^k O and X(L2 - k) = conj(E - t^k O): about half the direct multiply-adds.
-template <int kRadix, typename T, typename C>
+template <int kRadix, int kBinTile, typename T, typename C>
 __device__ __forceinline__ void w_stage(const PlaneArgs& a, const T* rows, int row_pitch, int row_count,
                                         const C* table, C* spec) {
   const int row_tiles = (row_count + kRowTile - 1) / kRowTile, bin_tiles = a.w_bins_pad / kBinTile;
@@ -288,7 +317,7 @@ __device__ __forceinline__ void w_stage(const PlaneArgs& a, const T* rows, int r
         for (int j = 0; j < kBinTile; ++j) acc[i][c][j] = C{0, 0};
     for (int col = 0; col < a.w_cols; ++col) {
       C f[kBinTile];
-      load_bins(table + col * a.w_bins_pad + k0, f);  // rows of whole tiles: 16-byte aligned
+      load_bins(table + col * a.w_bins_pad + k0, f);
 #pragma unroll
       for (int i = 0; i < kRowTile; ++i) {
 #pragma unroll
@@ -325,7 +354,7 @@ __device__ __forceinline__ void w_stage(const PlaneArgs& a, const T* rows, int r
   }
 }
 
-template <typename T, int kRadix>
+template <typename T, int kRadix, int kBinTile>
 __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   using C = typename ComplexOf<T>::type;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
@@ -361,9 +390,9 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   __syncthreads();
 
   if (a.w_radix == 2) {
-    w_stage<2>(a, rows, row_pitch, planes * a.h, w_table, spec);
+    w_stage<2, kBinTile>(a, rows, row_pitch, planes * a.h, w_table, spec);
   } else {
-    w_stage<1>(a, rows, row_pitch, planes * a.h, w_table, spec);
+    w_stage<1, kBinTile>(a, rows, row_pitch, planes * a.h, w_table, spec);
   }
   __syncthreads();
 
@@ -431,18 +460,16 @@ struct DepthArgs {
   int64_t threads;    // n columns
   int64_t batch, b0, ci, d_off;
   int d, rows, cols, rows_pad;
-  bool radix2;
 };
 
-// One thread per column (b, fh, fw, ci); kTile output rows of the D table per pass over
-// the column's D values.
-template <typename T, int kTile>
+// One thread per column (b, fh, fw, ci); kTile rows of the split D table (AxisDft) per pass
+// over the column's D values, each row's kRadix sums combined by split_outputs.
+template <typename T, int kRadix, int kTile>
 __global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
   using C = typename ComplexOf<T>::type;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
-  C* table = reinterpret_cast<C*>(smem_bytes);  // [cols][rows_pad], then rows_pad twiddles
-  copy_to_shared(table, static_cast<const C*>(a.table) + a.d_off,
-                 a.cols * a.rows_pad + (a.radix2 ? a.rows_pad : 0));
+  C* table = reinterpret_cast<C*>(smem_bytes);  // [cols][rows_pad], then the twiddles [kRadix - 1][rows_pad]
+  copy_to_shared(table, static_cast<const C*>(a.table) + a.d_off, (a.cols + kRadix - 1) * a.rows_pad);
   __syncthreads();
   const int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (e >= a.threads) return;
@@ -453,19 +480,23 @@ __global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
   const int64_t positions = a.columns / a.ci;
   C* out = static_cast<C*>(a.spectrum) + (pos * a.batch + a.b0 + b) * a.ci + ci;
   const int64_t fd_stride = positions * a.batch * a.ci;
-  const int step = a.radix2 ? 2 : 1;
-  constexpr int kChunk = kLoads / 2;  // columns of the table per round of loads (two values each)
+  constexpr int kChunk = kLoads / kRadix;  // columns of the table per round of loads (kRadix values each)
+  static_assert(kChunk >= 1, "a round of loads holds a column's values");
   for (int j0 = 0; j0 < a.rows; j0 += kTile) {
-    C even[kTile], odd[kTile];
+    C z[kTile][kRadix];  // [row][d mod R]
 #pragma unroll
-    for (int i = 0; i < kTile; ++i) even[i] = odd[i] = C{0, 0};
+    for (int i = 0; i < kTile; ++i)
+#pragma unroll
+      for (int r = 0; r < kRadix; ++r) z[i][r] = C{0, 0};
     for (int c0 = 0; c0 < a.cols; c0 += kChunk) {
-      C ev[kChunk], ov[kChunk];
+      C v[kChunk][kRadix];
 #pragma unroll
       for (int u = 0; u < kChunk; ++u) {
-        const int dd = (c0 + u) * step;
-        ev[u] = c0 + u < a.cols ? in[int64_t(dd) * a.columns] : C{0, 0};
-        ov[u] = a.radix2 && c0 + u < a.cols && dd + 1 < a.d ? in[int64_t(dd + 1) * a.columns] : C{0, 0};
+#pragma unroll
+        for (int r = 0; r < kRadix; ++r) {
+          const int dd = (c0 + u) * kRadix + r;
+          v[u][r] = c0 + u < a.cols && dd < a.d ? in[int64_t(dd) * a.columns] : C{0, 0};
+        }
       }
 #pragma unroll
       for (int u = 0; u < kChunk; ++u) {
@@ -473,8 +504,8 @@ __global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
         const C* f = table + (c0 + u) * a.rows_pad + j0;
 #pragma unroll
         for (int i = 0; i < kTile; ++i) {
-          add_product(even[i], f[i], ev[u]);
-          if (a.radix2) add_product(odd[i], f[i], ov[u]);
+#pragma unroll
+          for (int r = 0; r < kRadix; ++r) add_product(z[i][r], f[i], v[u][r]);
         }
       }
     }
@@ -482,48 +513,72 @@ __global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
     for (int i = 0; i < kTile; ++i) {
       const int j = j0 + i;
       if (j >= a.rows) break;
-      if (a.radix2) {
-        const C o = cmul(table[a.cols * a.rows_pad + j], odd[i]);
-        out[j * fd_stride] = C{even[i].x + o.x, even[i].y + o.y};
-        out[(j + a.rows) * fd_stride] = C{even[i].x - o.x, even[i].y - o.y};
-      } else {
-        out[j * fd_stride] = even[i];
-      }
+      C y[kRadix];
+      split_outputs<kRadix>(z[i], table + a.cols * a.rows_pad, a.rows_pad, j, y);
+#pragma unroll
+      for (int m = 0; m < kRadix; ++m) out[(j + m * a.rows) * fd_stride] = y[m];
     }
   }
 }
 
-template <typename T>
+template <typename T, int kBinTile>
 void launch_plane(int64_t radix, const PlaneArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
-  auto kernel = radix == 4 ? plane_dft_kernel<T, 4> : radix == 2 ? plane_dft_kernel<T, 2> : plane_dft_kernel<T, 1>;
-  allow_dynamic_smem(kernel, smem);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T, int kTile>
-void launch_depth_tile(const DepthArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
-  auto kernel = depth_dft_kernel<T, kTile>;
+  auto kernel = radix == 4   ? plane_dft_kernel<T, 4, kBinTile>
+                : radix == 2 ? plane_dft_kernel<T, 2, kBinTile>
+                             : plane_dft_kernel<T, 1, kBinTile>;
   allow_dynamic_smem(kernel, smem);
   kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
+void launch_plane(const Plan& p, const PlaneArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
+  static_assert(sizeof(kBinTiles) / sizeof(kBinTiles[0]) == 3, "a launch per tile of kBinTiles");
+  switch (p.w_bin_tile) {
+    case 3: return launch_plane<T, 3>(p.axis_h.radix, args, blocks, smem, stream);
+    case 4: return launch_plane<T, 4>(p.axis_h.radix, args, blocks, smem, stream);
+    default: return launch_plane<T, 5>(p.axis_h.radix, args, blocks, smem, stream);
+  }
+}
+
+template <typename T, int kRadix, int kTile>
+void launch_depth_tile(const DepthArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
+  if constexpr (kTile * kRadix <= kMaxDepthSums) {
+    auto kernel = depth_dft_kernel<T, kRadix, kTile>;
+    allow_dynamic_smem(kernel, smem);
+    kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "depth_dft: no tile of ", kTile, " rows at radix ", kRadix, " (make_plan)");
+  }
+}
+
+template <typename T, int kRadix>
 void launch_depth(int64_t tile, const DepthArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
+  static_assert(sizeof(kDepthTiles) / sizeof(kDepthTiles[0]) == 6, "a launch per tile of kDepthTiles");
   switch (tile) {
-    case 4: return launch_depth_tile<T, 4>(args, blocks, smem, stream);
-    case 8: return launch_depth_tile<T, 8>(args, blocks, smem, stream);
-    case 10: return launch_depth_tile<T, 10>(args, blocks, smem, stream);
-    case 12: return launch_depth_tile<T, 12>(args, blocks, smem, stream);
-    default: return launch_depth_tile<T, 16>(args, blocks, smem, stream);
+    case 4: return launch_depth_tile<T, kRadix, 4>(args, blocks, smem, stream);
+    case 5: return launch_depth_tile<T, kRadix, 5>(args, blocks, smem, stream);
+    case 8: return launch_depth_tile<T, kRadix, 8>(args, blocks, smem, stream);
+    case 10: return launch_depth_tile<T, kRadix, 10>(args, blocks, smem, stream);
+    case 12: return launch_depth_tile<T, kRadix, 12>(args, blocks, smem, stream);
+    default: return launch_depth_tile<T, kRadix, 16>(args, blocks, smem, stream);
+  }
+}
+
+template <typename T>
+void launch_depth(const Plan& p, const DepthArgs& args, int64_t blocks, int64_t smem, cudaStream_t stream) {
+  switch (p.axis_d.radix) {
+    case 4: return launch_depth<T, 4>(p.depth_tile, args, blocks, smem, stream);
+    case 2: return launch_depth<T, 2>(p.depth_tile, args, blocks, smem, stream);
+    default: return launch_depth<T, 1>(p.depth_tile, args, blocks, smem, stream);
   }
 }
 
 // The plan's tables on x's device, cached per stream (table_cache.h).
 at::Tensor tables_for(const Plan& p, const at::Tensor& x, at::ScalarType complex) {
   static auto* cache = new TableCache<at::Tensor>();  // never destroyed: CUDA tensors at exit
-  std::vector<int64_t> key = {p.d, p.h, p.w, p.ld, p.lh, p.lw, static_cast<int64_t>(complex)};
+  std::vector<int64_t> key = {p.d, p.h, p.w, p.ld, p.lh, p.lw, p.w_bin_tile, static_cast<int64_t>(complex)};
   return cache->get(std::move(key), x.device(), table_stream_cuda(x.device()),
                     [&] { return build_tables(p, x.options(), complex); });
 }
@@ -556,7 +611,6 @@ DepthArgs depth_args(const Plan& p, const at::Tensor& tables, const at::Tensor& 
   a.d = static_cast<int>(p.d);
   a.rows = static_cast<int>(p.axis_d.rows()), a.cols = static_cast<int>(p.axis_d.columns());
   a.rows_pad = static_cast<int>(p.depth_rows_pad);
-  a.radix2 = p.axis_d.radix2();
   return a;
 }
 
@@ -602,11 +656,11 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
     da.threads = n * columns;
     const int64_t depth_blocks = (da.threads + kThreads - 1) / kThreads;
     if (is_double) {
-      launch_plane<double>(p.axis_h.radix, pa, n * p.d * groups, plane_bytes, stream);
-      launch_depth<double>(p.depth_tile, da, depth_blocks, depth_bytes, stream);
+      launch_plane<double>(p, pa, n * p.d * groups, plane_bytes, stream);
+      launch_depth<double>(p, da, depth_blocks, depth_bytes, stream);
     } else {
-      launch_plane<float>(p.axis_h.radix, pa, n * p.d * groups, plane_bytes, stream);
-      launch_depth<float>(p.depth_tile, da, depth_blocks, depth_bytes, stream);
+      launch_plane<float>(p, pa, n * p.d * groups, plane_bytes, stream);
+      launch_depth<float>(p, da, depth_blocks, depth_bytes, stream);
     }
   }
   return true;
