@@ -49,13 +49,17 @@ at::Tensor lag_phases(int64_t size, int64_t n, int64_t step, const at::Tensor& l
   return unit_roots(size, n, step, lags, 1.0);
 }
 
-// [size, M] complex128, M = 2 reach + 1: the H and D stages' coefficients, a frequency f
-// of the grid of `size` taken to the lags m = -reach .. reach and on to the bins g of
-// their DFT on M, sum_m exp(2 pi i f step m / size) exp(-2 pi i g m / M) (§3.5).
+// [size, M] double, M = 2 reach + 1: the H and D stages' coefficients, a frequency f of
+// the grid of `size` taken to the lags m = -reach .. reach and on to the bins g of their DFT
+// on M, sum_m exp(2 pi i f step m / size) exp(-2 pi i g m / M) (§3.5). The lags are
+// symmetric about 0, so each is a sum of cosines, real: kept as such, the stages' products
+// take two multiply-adds instead of four (the imaginary parts formed here are rounding).
 at::Tensor lag_spectrum_phases(int64_t size, int64_t step, int64_t reach, const at::TensorOptions& opts) {
   const int64_t count = 2 * reach + 1;
   const at::Tensor lags = at::arange(-reach, reach + 1, opts.dtype(at::kLong));
-  return at::matmul(lag_phases(size, size, step, lags), lag_phases(count, count, 1, lags).conj_physical().t());
+  return at::real(
+             at::matmul(lag_phases(size, size, step, lags), lag_phases(count, count, 1, lags).conj_physical().t()))
+      .contiguous();
 }
 
 // [size / 2 + 1] double: how many bins of a real signal's full DFT of that size each
@@ -147,15 +151,16 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   // Balanced chunks, no small last one (seed: 7, 7 and 6 depth frequencies, not 8, 8 and 4):
   // the same GPU time, 8 MiB less peak memory (docs/performance.md, 22:48-22:54 UTC runs).
   const int64_t chunks = (grid[0] + most - 1) / most, chunk = (grid[0] + chunks - 1) / chunks;
-  const bool deferred = keep_h_stage_output(chunks, grid[0] * mh * columns * coef_h.element_size(), x_spec);
+  const at::TensorOptions lag_options = coef_h.options().dtype(at::kComplexDouble);  // the stages' outputs
+  const bool deferred =
+      keep_h_stage_output(chunks, grid[0] * mh * columns * c10::elementSize(at::kComplexDouble), x_spec);
   const at::Tensor coef_w_x = coef_w.to(x_spec.scalar_type());  // once, not per chunk
-  const at::Tensor p_all = deferred ? at::empty({grid[0], mh, columns}, coef_h.options()) : at::Tensor();
-  at::Tensor r = deferred ? at::empty({1, md, mh * columns}, coef_d.options())
-                          : at::zeros({1, md, mh * columns}, coef_d.options());
+  const at::Tensor p_all = deferred ? at::empty({grid[0], mh, columns}, lag_options) : at::Tensor();
+  at::Tensor r = deferred ? at::empty({1, md, mh * columns}, lag_options) : at::zeros({1, md, mh * columns}, lag_options);
   for (int64_t fd0 = 0; fd0 < grid[0]; fd0 += chunk) {
     const int64_t n = std::min(chunk, grid[0] - fd0);
     const at::Tensor q = backend.cross_spectrum_rows(x_spec, fd0, n, coef_w_x, groups);
-    at::Tensor p = deferred ? p_all.narrow(0, fd0, n) : at::empty({n, mh, columns}, coef_h.options());
+    at::Tensor p = deferred ? p_all.narrow(0, fd0, n) : at::empty({n, mh, columns}, lag_options);
     backend.lag_stage(q.view({n, grid[1], columns}), coef_h, p, false);
     if (!deferred) backend.lag_stage(p.view({1, n, mh * columns}), coef_d.narrow(0, fd0, n), r, true);
   }
@@ -237,7 +242,7 @@ at::Tensor tap_spectrum_aten(const at::Tensor& taps, const at::Tensor& dft_d, co
 }
 
 void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate) {
-  const at::Tensor terms = at::matmul(coef.t(), q.to(at::kComplexDouble));
+  const at::Tensor terms = at::matmul(coef.t().to(at::kComplexDouble), q.to(at::kComplexDouble));
   if (accumulate) {
     out.add_(terms);
   } else {

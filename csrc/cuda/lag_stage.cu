@@ -12,7 +12,6 @@
 #include <algorithm>
 
 #include "cuda/kernels.h"
-#include "cuda/spectrum_common.cuh"
 #include "message.h"
 
 namespace fused_ops {
@@ -23,7 +22,7 @@ constexpr int kMaxLags = 9;  // per launch: 2k' - 1 for k' = 5 in one pass
 
 struct StageArgs {
   const void* q;        // [outer, freqs, cols], complex of Tin
-  const double2* coef;  // [freqs, lags_total]
+  const double* coef;   // [freqs, lags_total], real (lag_spectrum_phases)
   double2* out;         // [outer, lags_total, cols]
   int64_t outer, freqs, cols, lags_total, lag0, lags;
   bool accumulate;
@@ -37,17 +36,15 @@ __device__ __forceinline__ double2 widen(const C& v) {
 // Q's loads are issued kAhead<C> frequencies before their use (32 bytes in flight per thread)
 // and the coefficients are read from shared memory: with one load of Q in flight per thread,
 // and the coefficients loaded beside it, the seed problem's H stage spent 67% of its stalls
-// waiting on them with DRAM at 11% of peak (ncu, docs/performance.md). Each product is four
-// DFMAs (add_product): written as `acc.x += w.x * v.x - w.y * v.y` it compiled to a DMUL, a
-// DFMA and a DADD per part, and the seed problem's H stage took 103.5 us per call against
-// 81.6 (docs/performance.md, 2026-12-01 01:48 UTC).
+// waiting on them with DRAM at 11% of peak (ncu, docs/performance.md). The coefficients are
+// real, so each product is two DFMAs.
 template <typename C>
 constexpr int kAhead = 32 / sizeof(C);
 constexpr int kFreqTile = 64;  // coefficients staged per pass: kFreqTile x kLags
 
 template <typename C, int kLags>
 __global__ void __launch_bounds__(kThreads, 3) lag_stage_kernel(StageArgs a) {
-  __shared__ double2 coef[kFreqTile][kLags];
+  __shared__ double coef[kFreqTile][kLags];
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const bool active = t < a.outer * a.cols;  // every thread takes part in the staging
   const int64_t outer = active ? t / a.cols : 0, col = active ? t % a.cols : 0;
@@ -60,21 +57,27 @@ __global__ void __launch_bounds__(kThreads, 3) lag_stage_kernel(StageArgs a) {
   for (int k = 0; k < kAhead<C>; ++k) ahead[k] = active && k < a.freqs ? q[k * a.cols] : C{0, 0};
   for (int64_t f0 = 0; f0 < a.freqs; f0 += kFreqTile) {
     const int tile = static_cast<int>(a.freqs - f0 < kFreqTile ? a.freqs - f0 : kFreqTile);
+    // The tile's rows rounded up to whole rounds of kAhead, zero past its frequencies: the
+    // inner loop then has no exit in the middle (with one, ptxas moved the sums to local
+    // memory around it).
+    const int rows = (tile + kAhead<C> - 1) / kAhead<C> * kAhead<C>;
     __syncthreads();  // the previous tile's coefficients are no longer read
-    for (int i = threadIdx.x; i < tile * kLags; i += kThreads) {
+    for (int i = threadIdx.x; i < rows * kLags; i += kThreads) {
       const int f = i / kLags, m = i % kLags;
-      coef[f][m] = m < a.lags ? a.coef[(f0 + f) * a.lags_total + a.lag0 + m] : double2{0, 0};
+      coef[f][m] = m < a.lags && f < tile ? a.coef[(f0 + f) * a.lags_total + a.lag0 + m] : 0.0;
     }
     __syncthreads();
-    for (int k0 = 0; k0 < tile; k0 += kAhead<C>) {
+    for (int k0 = 0; k0 < rows; k0 += kAhead<C>) {
 #pragma unroll
       for (int k = 0; k < kAhead<C>; ++k) {
-        if (k0 + k >= tile) break;
         const int64_t f = f0 + k0 + k;
         const double2 v = widen(ahead[k]);
-        if (active && f + kAhead<C> < a.freqs) ahead[k] = q[(f + kAhead<C>) * a.cols];
+        ahead[k] = active && f + kAhead<C> < a.freqs ? q[(f + kAhead<C>) * a.cols] : C{0, 0};
 #pragma unroll
-        for (int m = 0; m < kLags; ++m) add_product(acc[m], v, coef[k0 + k][m]);
+        for (int m = 0; m < kLags; ++m) {
+          acc[m].x = fma(coef[k0 + k][m], v.x, acc[m].x);
+          acc[m].y = fma(coef[k0 + k][m], v.y, acc[m].y);
+        }
       }
     }
   }
@@ -112,13 +115,13 @@ void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out
   TORCH_CHECK(is_double || q.scalar_type() == at::kComplexFloat,
               "ct_bn_pool: lag_stage_cuda takes complex64 or complex128 values");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.is_contiguous() && out.is_contiguous() &&
-                  out.scalar_type() == at::kComplexDouble && coef.scalar_type() == at::kComplexDouble &&
+                  out.scalar_type() == at::kComplexDouble && coef.scalar_type() == at::kDouble &&
                   coef.is_contiguous() && coef.size(0) == q.size(1) &&
                   out.size(0) == q.size(0) && out.size(1) == coef.size(1) && out.size(2) == q.size(2),
               "ct_bn_pool: lag_stage_cuda: inconsistent shapes or layouts");
   StageArgs a;
   a.q = q.data_ptr();
-  a.coef = reinterpret_cast<const double2*>(coef.data_ptr());
+  a.coef = coef.data_ptr<double>();
   a.out = reinterpret_cast<double2*>(out.data_ptr());
   a.outer = q.size(0);
   a.freqs = q.size(1);
