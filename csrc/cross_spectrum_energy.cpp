@@ -7,6 +7,7 @@
 #include <ATen/Context.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -172,7 +173,7 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
 // as (1 / |M|) sum_g W_r(g)^H R^(g) W_r(g) on the grid M = 2k' - 1 per dim, where both
 // DFTs are exact (§3.5). blocks: R^ (correlation_spectrum), in real blocks.
 // budget: bytes of the sub-kernels' spectra per chunk of output channels.
-// stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] double, so that their DFT
+// stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] (sub_kernels), so that their DFT
 // comes out with a frequency's [Cig, P Cog] matrix contiguous.
 at::Tensor phase_energies(const Backend& backend, const at::Tensor& blocks, const at::Tensor& stack,
                           const Tables& tables, const Lags& lags, int64_t budget) {
@@ -181,18 +182,30 @@ at::Tensor phase_energies(const Backend& backend, const at::Tensor& blocks, cons
   const int64_t bins = blocks.size(0) * blocks.size(1) * blocks.size(2);
   const int64_t channel_bytes = bins * groups * cig * phases * 16;
   const int64_t chunk = std::clamp<int64_t>(budget / channel_bytes, 1, cog);
-  auto energy = at::empty({groups, phases, cog}, stack.options());
+  auto energy = at::empty({groups, phases, cog}, stack.options().dtype(at::kDouble));
   for (int64_t c0 = 0; c0 < cog; c0 += chunk) {
     const int64_t n = std::min(chunk, cog - c0);
     // [Md, Mh, Mwf, G, 2 Cig, P n]: the order that serves both the GEMM and the quadratic forms.
-    const at::Tensor taps =
-        stack.narrow(6, c0, n).reshape({stack.size(0), stack.size(1), stack.size(2), groups * cig * phases * n});
+    const at::Tensor taps = stack.narrow(6, c0, n).flatten(3, 5);  // [k'd, k'h, k'w, G Cig P, n], a view
     const at::Tensor w_hat = backend.tap_spectrum(taps, tables.dft[0], tables.dft[1], tables.dft[2], groups)
                                  .view({blocks.size(0), blocks.size(1), blocks.size(2), groups, 2 * cig, phases * n});
     const at::Tensor quad = backend.quad_forms(w_hat, at::matmul(blocks, w_hat), tables.mirror);
     energy.narrow(2, c0, n).copy_(quad.view({groups, phases, n}));
   }
   return energy.sum(1).div_(static_cast<double>(lags.count()));
+}
+
+// The sub-kernels as phase_energies takes them, [k'd, k'h, k'w, G, Cig, P, Cog]: with one
+// phase (stride 1) the weight itself, a view in its dtype that the backend reads in place
+// or copies as it needs (Backend::tap_spectrum); else phase_stack's gather, in float64.
+at::Tensor sub_kernels(const at::Tensor& weight, const ConvGeometry& g, const ConvGeometry& sub,
+                       const at::Tensor& slots) {
+  constexpr std::array<int64_t, 7> order = {4, 5, 6, 0, 1, 3, 2};
+  if (phase_count(g) > 1) return phase_stack(weight, g, sub, slots).permute(order).contiguous();
+  return weight
+      .reshape({g.groups, g.in_group_channels(), g.out_group_channels(), 1, sub.kernel[0], sub.kernel[1],
+                sub.kernel[2]})
+      .permute(order);
 }
 
 }  // namespace
@@ -233,7 +246,7 @@ at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const a
 // per column than the three tables' product as one matrix, which was one GEMM until 2026-12-01.
 at::Tensor tap_spectrum_aten(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
                              const at::Tensor& dft_w, int64_t groups) {
-  const int64_t kd = taps.size(0), kh = taps.size(1), kw = taps.size(2), cols = taps.size(3);
+  const int64_t kd = taps.size(0), kh = taps.size(1), kw = taps.size(2), cols = taps.size(3) * taps.size(4);
   const int64_t bd = dft_d.size(0), bh = dft_h.size(0), bw = dft_w.size(0);
   at::Tensor t = at::matmul(dft_d, taps.reshape({kd, -1}).to(at::kComplexDouble));  // [bd, kh kw cols]
   t = at::matmul(dft_h, t.view({bd, kh, kw * cols}));                              // [bd, bh, kw cols]
@@ -263,10 +276,9 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
     blocks = correlation_spectrum(backend, x_spec, sub.out_size, tables, g.groups);
     weight_budget = chunk_budget(x_spec, 2, kMaxWeightBytes);
   }
-  const at::Tensor stack =  // [k'd, k'h, k'w, G, Cig, P, Cog]
-      phase_stack(weight, g, sub, tables.slots).permute({4, 5, 6, 0, 1, 3, 2}).contiguous();
   const at::Tensor energy =
-      phase_energies(backend, blocks, stack, tables, lags, weight_budget).view({1, g.out_channels, 1});
+      phase_energies(backend, blocks, sub_kernels(weight, g, sub, tables.slots), tables, lags, weight_budget)
+          .view({1, g.out_channels, 1});
   if (is_full_convolution(g)) return energy;
   return energy.add(phase_sum_correction(weight, sums, g, sub, tables.slots).view({1, g.out_channels, 1}));
 }

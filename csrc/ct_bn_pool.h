@@ -94,10 +94,12 @@ struct Backend {
   // w_hat (the sub-kernels' spectra as [Re; Im]) and v [Md, Mh, Mw, G, 2 Cig, C]
   // double, mirror [Mw] double.
   at::Tensor (*quad_forms)(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
-  // The sub-kernels' spectra on the grid M (§3.5): taps [k'd, k'h, k'w, G C] double
-  // (C columns per group) and each dim's forward DFT dft_x [bins_x, k'_x] complex128 (M_x
-  // bins for d and h, M_w / 2 + 1 for w), as [bins, G, 2, C] double: a bin's real parts
-  // over its imaginary parts, the bins (b_d, b_h, b_w) with b_w fastest.
+  // The sub-kernels' spectra on the grid M (§3.5): taps [k'd, k'h, k'w, R, N], float32 or
+  // float64 in any strides (a view of the weight: cross_spectrum_energy.cpp's sub_kernels),
+  // its R N columns (r, n) with n fastest, C = R N / G per group, and each dim's forward DFT
+  // dft_x [bins_x, k'_x] complex128 (M_x bins for d and h, M_w / 2 + 1 for w), as
+  // [bins, G, 2, C] double: a bin's real parts over its imaginary parts, the bins
+  // (b_d, b_h, b_w) with b_w fastest.
   at::Tensor (*tap_spectrum)(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
                              const at::Tensor& dft_w, int64_t groups);
   // x's spectrum's kernels: a DFT without the FFT, or the copies around it (x_spectrum.h).

@@ -2,7 +2,9 @@
 "thread" per column and depth bin b_d <= M_d / 2, its plane of depth sums, per b_h the k'w
 values over k_h, and per b_w the four real sums of products that give W(b_d, b_h, b_w) and,
 the taps being real, W(-b_d, -b_h, b_w). Checked against numpy's FFT of the taps zero-padded
-to the grid M = 2k' - 1, in the [bins, G, 2, C] layout the kernel writes.
+to the grid M = 2k' - 1, in the [bins, G, 2, C] layout the kernel writes. The taps come as
+WeightTaps stages them: a chunk of output channels of a weight [Ci, Co, k'd, k'h, k'w], each
+warp's columns' taps of one k_h by its lanes' turns (staged_taps).
 
     python scripts/tap_spectrum_check.py
 """
@@ -45,6 +47,32 @@ def kernel_model(taps, groups):
     return out
 
 
+def staged_taps(weight, c0, n):
+    """[kd, kh, kw, Ci n]: the taps of output channels c0 .. c0 + n - 1 as WeightTaps's lanes
+    stage them, each (j, e) stepped by 32 and read at its column's offset as the kernel forms it."""
+    ci, co, kd, kh, kw = weight.shape
+    flat, cols = weight.reshape(-1), ci * n
+    values, plane_taps, stride = kd * kw, kh * kw, (kd * kw) | 1
+    # the column's first tap: r row_stride + c col_stride from the chunk's first value
+    start = [c0 * kd * kh * kw + col // n * co * kd * kh * kw + col % n * kd * kh * kw for col in range(cols)]
+    taps = np.full((kd, kh, kw, cols), np.nan)
+    for warp0 in range(0, cols, 32):
+        columns = min(32, cols - warp0)
+        for h in range(kh):
+            rows = np.full(32 * stride, np.nan)
+            for lane in range(32):
+                j, e = lane // values, lane % values
+                for _ in range(values):
+                    if j < columns:
+                        rows[j * stride + e] = flat[start[warp0 + j] + h * kw + e // kw * (plane_taps - kw) + e]
+                    j, e = j + 32 // values, e + 32 % values
+                    if e >= values:
+                        j, e = j + 1, e - values
+            for lane in range(columns):
+                taps[:, h, :, warp0 + lane] = rows[lane * stride:lane * stride + values].reshape(kd, kw)
+    return taps
+
+
 def reference(taps, groups):
     kd, kh, kw, cols = taps.shape
     padded = np.pad(taps, ((0, kd - 1), (0, kh - 1), (0, kw - 1), (0, 0)))
@@ -55,11 +83,18 @@ def reference(taps, groups):
 if __name__ == "__main__":
     rng = np.random.default_rng(0)
     worst = 0.0
-    for shape, groups in [((5, 5, 5, 6), 1), ((3, 2, 4, 8), 2), ((1, 3, 1, 4), 1), ((2, 1, 8, 3), 3)]:
-        taps = rng.standard_normal(shape)
+    # (weight shape, groups, the chunk's first output channel and count): 65 columns (a last
+    # warp of one column), kd kw = 25, 12, 1 and 16 values per column (a turn of 32 steps j by
+    # 1, 2, 32 and 2), chunks from channel 0 and past it
+    for shape, groups, c0, n in [((13, 5, 5, 5, 5), 1, 0, 5), ((4, 7, 3, 2, 4), 2, 2, 4), ((8, 3, 1, 3, 1), 1, 0, 3),
+                                 ((6, 2, 2, 1, 8), 3, 1, 1)]:
+        weight = rng.standard_normal(shape)
+        taps = staged_taps(weight, c0, n)
+        expected = weight[:, c0:c0 + n].transpose(2, 3, 4, 0, 1).reshape(taps.shape)
+        assert np.array_equal(taps, expected), f"{shape}: staged taps differ from the weight's"
         model = kernel_model(taps, groups)
         assert not np.isnan(model).any(), f"{shape}: a bin the model never wrote"
         error = np.abs(model - reference(taps, groups)).max()
-        print(f"taps {shape}, groups {groups}: largest difference {error:.1e}")
+        print(f"weight {shape}, channels {c0}..{c0 + n - 1}, groups {groups}: largest difference {error:.1e}")
         worst = max(worst, error)
     assert worst < 1e-12, worst

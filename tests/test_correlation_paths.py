@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import (DEVICES, Problem, assert_no_host_sync, cuda_train_step_kernels, make_input,
-                      make_models, random_problems, relerr)
+from conftest import (DEVICES, Problem, assert_no_host_sync, cuda_train_step, cuda_train_step_kernels,
+                      make_input, make_models, random_problems, relerr)
 from test_fft_energy import FFT_PROBLEMS, STRIDED_FFT_PROBLEMS
 
 # The FFT path's problems (every padding-0 family, two passes of its tiles, the seed
@@ -203,8 +203,8 @@ def test_auto_on_cuda_at_stride_1_weighs_the_cross_spectrum(batch, size, expecte
         assert relerr(out, ref(x.double())) <= 1e-6
 
 
-def cross_spectrum_step_kernels(problem):
-    return cuda_train_step_kernels(problem, "cross_spectrum")
+def cross_spectrum_step_kernels(problem, dtype=torch.float32):
+    return cuda_train_step_kernels(problem, "cross_spectrum", dtype)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -264,6 +264,53 @@ def test_cross_spectrum_tap_spectrum_kernel(problem, kernel):
     above run it on every shape they cover with k'w <= 8)."""
     names = cross_spectrum_step_kernels(problem)
     assert any("tap_spectrum_kernel" in n for n in names) == kernel
+
+
+TAP_SOURCES = ["StackTaps", "WeightTaps<float>", "WeightTaps<double>"]
+
+
+def tap_spectrum_sources(names):
+    """Where the tap_spectrum.cu launches among the kernels named read the taps (their Taps type)."""
+    return {source for n in names if "tap_spectrum_kernel<" in n for source in TAP_SOURCES if source in n}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("problem, dtype, source", [
+    (Problem(3, 6, 5, (3, 4, 5), (2, 3, 4)), torch.float32, "WeightTaps<float>"),
+    (Problem(3, 6, 5, (3, 4, 5), (2, 3, 4)), torch.float64, "WeightTaps<double>"),
+    # 144 columns: blocks of 64, 64 and 16 (a warp of 16 columns, one of none)
+    (Problem(2, 12, 36, (3, 4, 5), (3, 5, 3), conv_kwargs=dict(groups=3)), torch.float32, "WeightTaps<float>"),
+    # 48 output channels in chunks of 20, 20 and 8 (phase_energies' 8 MiB of spectra per chunk)
+    (Problem(2, 64, 48, (2, 3, 3), (5, 5, 5)), torch.float32, "WeightTaps<float>"),
+    # dilation and output padding: one phase, not the full convolution
+    (Problem(2, 4, 6, (3, 4, 5), (2, 3, 3), conv_kwargs=dict(dilation=2, output_padding=(1, 0, 1))),
+     torch.float32, "WeightTaps<float>"),
+    # phases: phase_stack's float64 gather
+    (Problem(2, 4, 12, (3, 4, 5), (3, 5, 3), conv_kwargs=dict(stride=(1, 2, 1), groups=2)), torch.float32,
+     "StackTaps"),
+    # 200 k'd x 8 k'w float64 taps staged per k_h: 0.8 MB of shared memory per block, past any GPU's
+    (Problem(2, 2, 3, (1, 1, 2), (200, 1, 8)), torch.float64, "StackTaps"),
+], ids=["seed-like", "float64", "groups", "chunks", "dilated", "phases", "staging-too-large"])
+def test_cross_spectrum_tap_spectrum_reads_the_weight(problem, dtype, source):
+    """With one phase tap_spectrum.cu reads the taps from the weight itself in its dtype
+    (WeightTaps: each warp's columns staged in shared memory), also per chunk of output
+    channels; with phases, or where the staging does not fit a block's shared memory, from
+    the float64 stack (StackTaps). Both against float64."""
+    assert tap_spectrum_sources(cross_spectrum_step_kernels(problem, dtype)) == {source}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cross_spectrum_tap_spectrum_reads_a_strided_weight():
+    """A weight whose channels are strided in memory (Ci and Co swapped) reaches the path
+    contiguous (the op's copy in the energy's dtype), so it is read in place too."""
+    problem = Problem(3, 6, 5, (3, 4, 5), (2, 3, 4))
+    ref, fused = make_models(problem, torch.float32, "cuda", algo="cross_spectrum")
+    weight = fused.conv_transpose.weight
+    with torch.no_grad():
+        fused.conv_transpose.weight = torch.nn.Parameter(weight.transpose(0, 1).contiguous().transpose(0, 1))
+    assert not fused.conv_transpose.weight.is_contiguous()
+    names = cuda_train_step(problem, ref, fused, torch.float32)
+    assert tap_spectrum_sources(names) == {"WeightTaps<float>"}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -66,7 +66,9 @@ at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const a
 // Backend::tap_spectrum: tap_spectrum.cu, one thread per column and depth bin b_d <= M_d / 2
 // (the taps are real: the other bins are mirrors); tap_spectrum_aten where k'w exceeds 8
 // (its instantiations) or a block's planes of k'h k'w values per thread and tables exceed
-// 48 KiB of shared memory (k'h k'w >= 48).
+// 48 KiB of shared memory (k'h k'w >= 48). Taps whose columns each hold their k'd k'h k'w
+// values together (the weight), float32 or float64, are read in place where the block's
+// staging of them fits its shared memory; others as a float64 copy in [k'd, k'h, k'w, cols].
 at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
                              const at::Tensor& dft_w, int64_t groups);
 // SpectrumKernels (x_spectrum.h): x_spectrum_dft.cu, and x_spectrum_copies.cu around cuFFT
