@@ -235,6 +235,11 @@ at::Tensor build_tables(const Plan& p, const at::TensorOptions& opts, at::Scalar
   return tables;
 }
 
+// The W stage's work items for a block of `planes` channels: kRowTile rows by w_bin_tile bins.
+int64_t w_stage_items(const Plan& p, int64_t planes) {
+  return (planes * p.h + kRowTile - 1) / kRowTile * (p.w_bins_pad / p.w_bin_tile);
+}
+
 struct PlaneArgs {
   const void* x;     // the slice's x, [n, Ci, D, H, W]
   void* t;           // [n, D, Lh, Lwf, Ci]
@@ -243,13 +248,19 @@ struct PlaneArgs {
   int d, h, w, lh, lwf, h_rows_pad, h_rows, h_cols, slice_stride;
   int w_radix, w_cols, w_bins, w_bins_pad;
   bool vector_loads;  // rows of x are whole 16-byte pieces, 16-byte aligned
+  bool rows_in_spec;  // x's rows in the plane spectrum's memory (PlaneSmem)
 };
 
-// Shared memory of plane_dft, in units of C (x's rows are T, at the end).
+// Shared memory of plane_dft, in units of C (x's rows are T, at the end). Where the W stage
+// takes every row in one round, x's rows go in the plane spectrum's memory, which the stage
+// writes only after its reads (w_stage): on the seed problem 46 KB instead of 80, so the
+// registers (80) rather than the shared memory bound the blocks per SM, three instead of two.
 struct PlaneSmem {
   int64_t tables, planes, x_rows;
+  bool rows_in_spec;
   int64_t bytes(int64_t complex_size) const {
-    return (tables + planes) * complex_size + x_rows * (complex_size / 2);
+    const int64_t rows = x_rows * (complex_size / 2), spec = planes * complex_size;
+    return tables * complex_size + (rows_in_spec ? std::max(rows, spec) : rows + spec);
   }
 };
 
@@ -266,6 +277,7 @@ PlaneSmem plane_smem(const Plan& p, int64_t planes) {
   s.tables = p.d_off;  // W's and H's
   s.planes = planes * plane_slice_stride(p.h_rows_pad, p.lwf);
   s.x_rows = planes * p.h * (p.w + 1);
+  s.rows_in_spec = w_stage_items(p, planes) <= kThreads;
   return s;
 }
 
@@ -302,9 +314,9 @@ __device__ __forceinline__ void split_outputs(C (&z)[kRadix], const C* twiddles,
 template <int kRadix, int kBinTile, typename T, typename C>
 __device__ __forceinline__ void w_stage(const PlaneArgs& a, const T* rows, int row_pitch, int row_count,
                                         const C* table, C* spec) {
-  const int row_tiles = (row_count + kRowTile - 1) / kRowTile, bin_tiles = a.w_bins_pad / kBinTile;
-  for (int t = threadIdx.x; t < row_tiles * bin_tiles; t += kThreads) {
-    const int tr = t % row_tiles, k0 = (t / row_tiles) * kBinTile;
+  const int row_tiles = (row_count + kRowTile - 1) / kRowTile, items = row_tiles * (a.w_bins_pad / kBinTile);
+  for (int t0 = 0; t0 < items; t0 += kThreads) {  // the same rounds for every thread (the barrier below)
+    const int t = t0 + threadIdx.x, tr = t % row_tiles, k0 = (t / row_tiles) * kBinTile;
     const T* row[kRowTile];
 #pragma unroll
     for (int i = 0; i < kRowTile; ++i) row[i] = rows + min(tr + i * row_tiles, row_count - 1) * row_pitch;
@@ -315,7 +327,7 @@ __device__ __forceinline__ void w_stage(const PlaneArgs& a, const T* rows, int r
       for (int c = 0; c < kRadix; ++c)
 #pragma unroll
         for (int j = 0; j < kBinTile; ++j) acc[i][c][j] = C{0, 0};
-    for (int col = 0; col < a.w_cols; ++col) {
+    for (int col = 0; col < (t < items ? a.w_cols : 0); ++col) {
       C f[kBinTile];
       load_bins(table + col * a.w_bins_pad + k0, f);
 #pragma unroll
@@ -331,6 +343,8 @@ __device__ __forceinline__ void w_stage(const PlaneArgs& a, const T* rows, int r
         }
       }
     }
+    if (a.rows_in_spec) __syncthreads();  // x's rows are read; spec overwrites them (PlaneSmem)
+    if (t >= items) continue;
     C twiddles[kBinTile];
     if constexpr (kRadix == 2) load_bins(table + a.w_cols * a.w_bins_pad + k0, twiddles);
 #pragma unroll
@@ -354,8 +368,10 @@ __device__ __forceinline__ void w_stage(const PlaneArgs& a, const T* rows, int r
   }
 }
 
+// Three blocks per SM for float32 where the shared memory allows (PlaneSmem): 80 registers, no
+// spill; float64's sums need more.
 template <typename T, int kRadix, int kBinTile>
-__global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 3 : 1) plane_dft_kernel(PlaneArgs a) {
   using C = typename ComplexOf<T>::type;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   const int64_t groups = (a.ci + a.planes_per_block - 1) / a.planes_per_block;
@@ -370,7 +386,7 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   C* h_table = w_table + w_table_n;
   C* spec = h_table + h_table_n;  // [planes][slice_stride]: the plane's DFT over W, [h, fw]
   copy_to_shared(w_table, static_cast<const C*>(a.table), w_table_n + h_table_n);
-  T* rows = reinterpret_cast<T*>(spec + a.planes_per_block * a.slice_stride);  // [planes * H][W + 1]
+  T* rows = reinterpret_cast<T*>(a.rows_in_spec ? spec : spec + a.planes_per_block * a.slice_stride);  // [planes * H][W + 1]
   const int row_pitch = a.w + 1;  // odd: a warp's rows fall in distinct banks
 
   const T* x = static_cast<const T*>(a.x) + ((b * a.ci + ci0) * a.d + d) * a.h * a.w;
@@ -380,11 +396,6 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
   } else {
     load_planes<T, T>(rows, x, plane_stride, planes, a.h, a.w, row_pitch);
   }
-  // H not a multiple of the radix: zero rows, the last sums' missing inputs.
-  const int pad_values = (a.h_rows_pad - a.h) * a.lwf;
-  for (int i = threadIdx.x; i < planes * pad_values; i += kThreads) {
-    spec[(i / pad_values) * a.slice_stride + a.h * a.lwf + i % pad_values] = C{0, 0};
-  }
   // W odd: the split W stage reads x in pairs, the last one's odd input past the row: a zero.
   for (int r = threadIdx.x; r < planes * a.h; r += kThreads) rows[r * row_pitch + a.w] = T(0);
   __syncthreads();
@@ -393,6 +404,12 @@ __global__ void __launch_bounds__(kThreads) plane_dft_kernel(PlaneArgs a) {
     w_stage<2, kBinTile>(a, rows, row_pitch, planes * a.h, w_table, spec);
   } else {
     w_stage<1, kBinTile>(a, rows, row_pitch, planes * a.h, w_table, spec);
+  }
+  // H not a multiple of the radix: zero rows, the last sums' missing inputs (after the W
+  // stage: they may lie over x's rows).
+  const int pad_values = (a.h_rows_pad - a.h) * a.lwf;
+  for (int i = threadIdx.x; i < planes * pad_values; i += kThreads) {
+    spec[(i / pad_values) * a.slice_stride + a.h * a.lwf + i % pad_values] = C{0, 0};
   }
   __syncthreads();
 
@@ -596,6 +613,7 @@ PlaneArgs plane_args(const Plan& p, const at::Tensor& tables, const at::Tensor& 
   a.h_rows_pad = static_cast<int>(p.h_rows_pad);
   a.h_rows = static_cast<int>(p.axis_h.rows()), a.h_cols = static_cast<int>(p.axis_h.columns());
   a.slice_stride = static_cast<int>(plane_slice_stride(p.h_rows_pad, p.lwf));
+  a.rows_in_spec = plane_smem(p, planes).rows_in_spec;
   return a;
 }
 
