@@ -102,7 +102,7 @@ at::Tensor tap_dft(const Lags& lags, int d, const at::TensorOptions& opts) {
 struct Tables {
   at::Tensor coef_w, coef_h, coef_d;  // the W, H and D stages' coefficients (correlation_spectrum)
   at::Tensor blocks;                  // correlation_blocks' phases, [ρw + 1, ρw + 1]
-  at::Tensor mirror;                  // phase_energies' mirror counts, [ρw + 1]
+  at::Tensor mirror;                  // phase_energies' mirror counts over |M|, [ρw + 1]
   at::Tensor dft[3];                  // tap_dft of each dim
   at::Tensor slots;                   // tap_slots
 };
@@ -116,7 +116,7 @@ Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::Te
   t.coef_h = lag_spectrum_phases(grid[1], lags.step[1], lags.reach[1], opts);
   t.coef_d = lag_spectrum_phases(grid[0], lags.step[0], lags.reach[0], opts).div_(size);  // R's 1 / |L|
   t.blocks = block_phases(lags.reach[2], opts);
-  t.mirror = mirror_count(2 * lags.reach[2] + 1, opts);
+  t.mirror = mirror_count(2 * lags.reach[2] + 1, opts).div_(static_cast<double>(lags.count()));  // §3.5's 1 / |M|
   for (int d = 0; d < 3; ++d) t.dft[d] = tap_dft(lags, d, opts);
   t.slots = tap_slots(g, sub, opts.dtype(at::kLong));
   return t;
@@ -169,30 +169,37 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   return backend.correlation_blocks(r.view({md, mh, mw, groups, cig, cig}), tables.blocks);
 }
 
-// [G, Cog] double: sum over the phases r of sum_{m, m'} w_r[:, c, m]^T R'(m - m') w_r[:, c, m'],
-// as (1 / |M|) sum_g W_r(g)^H R^(g) W_r(g) on the grid M = 2k' - 1 per dim, where both
-// DFTs are exact (§3.5). blocks: R^ (correlation_spectrum), in real blocks.
+// [S, G, Cog] double, S rows to be added (the finalize adds them, bn_finalize.h): sum over
+// the phases r of sum_{m, m'} w_r[:, c, m]^T R'(m - m') w_r[:, c, m'], as
+// (1 / |M|) sum_g W_r(g)^H R^(g) W_r(g) on the grid M = 2k' - 1 per dim, where both DFTs
+// are exact (§3.5). One chunk of one phase (the seed problem) leaves its S slices of the
+// bins unadded: four small kernels fewer per call (a reduction, a copy, a sum over the phases
+// and a scaling). blocks: R^ (correlation_spectrum), in real blocks.
 // budget: bytes of the sub-kernels' spectra per chunk of output channels.
 // stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] (sub_kernels), so that their DFT
 // comes out with a frequency's [Cig, P Cog] matrix contiguous.
 at::Tensor phase_energies(const Backend& backend, const at::Tensor& blocks, const at::Tensor& stack,
-                          const Tables& tables, const Lags& lags, int64_t budget) {
+                          const Tables& tables, int64_t budget) {
   const int64_t groups = stack.size(3), cig = stack.size(4), phases = stack.size(5),
                 cog = stack.size(6);
   const int64_t bins = blocks.size(0) * blocks.size(1) * blocks.size(2);
   const int64_t channel_bytes = bins * groups * cig * phases * 16;
   const int64_t chunk = std::clamp<int64_t>(budget / channel_bytes, 1, cog);
-  auto energy = at::empty({groups, phases, cog}, stack.options().dtype(at::kDouble));
-  for (int64_t c0 = 0; c0 < cog; c0 += chunk) {
-    const int64_t n = std::min(chunk, cog - c0);
+  // [S, G, P n]: the quadratic forms of the output channels c0 .. c0 + n - 1.
+  auto quad_forms = [&](int64_t c0, int64_t n) {
     // [Md, Mh, Mwf, G, 2 Cig, P n]: the order that serves both the GEMM and the quadratic forms.
     const at::Tensor taps = stack.narrow(6, c0, n).flatten(3, 5);  // [k'd, k'h, k'w, G Cig P, n], a view
     const at::Tensor w_hat = backend.tap_spectrum(taps, tables.dft[0], tables.dft[1], tables.dft[2], groups)
                                  .view({blocks.size(0), blocks.size(1), blocks.size(2), groups, 2 * cig, phases * n});
-    const at::Tensor quad = backend.quad_forms(w_hat, at::matmul(blocks, w_hat), tables.mirror);
-    energy.narrow(2, c0, n).copy_(quad.view({groups, phases, n}));
+    return backend.quad_forms(w_hat, at::matmul(blocks, w_hat), tables.mirror);
+  };
+  if (phases == 1 && chunk == cog) return quad_forms(0, cog);
+  auto energy = at::empty({groups, phases, cog}, stack.options().dtype(at::kDouble));
+  for (int64_t c0 = 0; c0 < cog; c0 += chunk) {
+    const int64_t n = std::min(chunk, cog - c0);
+    energy.narrow(2, c0, n).copy_(quad_forms(c0, n).sum(0).view({groups, phases, n}));
   }
-  return energy.sum(1).div_(static_cast<double>(lags.count()));
+  return energy.sum(1).unsqueeze(0);
 }
 
 // The sub-kernels as phase_energies takes them, [k'd, k'h, k'w, G, Cig, P, Cog]: with one
@@ -239,7 +246,7 @@ at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& ph
 
 at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror) {
   const at::Tensor quad = at::mul(w_hat, v).sum(4);
-  return quad.mul_(mirror.view({1, 1, -1, 1, 1})).sum(at::IntArrayRef{0, 1, 2});
+  return quad.mul_(mirror.view({1, 1, -1, 1, 1})).sum(at::IntArrayRef{0, 1, 2}).unsqueeze(0);
 }
 
 // One dim at a time (docs/math.md §3.5): on the seed problem 5.5 times fewer real multiply-adds
@@ -267,7 +274,6 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
                                  const at::Tensor& weight, const SampleSumTensors& sums,
                                  const ConvGeometry& g) {
   const ConvGeometry sub = phase_geometry(g);
-  const Lags lags(sub);
   const Tables tables = tables_for(backend, g, sub, x);
   at::Tensor blocks;
   int64_t weight_budget = 0;
@@ -276,11 +282,11 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
     blocks = correlation_spectrum(backend, x_spec, sub.out_size, tables, g.groups);
     weight_budget = chunk_budget(x_spec, 2, kMaxWeightBytes);
   }
-  const at::Tensor energy =
-      phase_energies(backend, blocks, sub_kernels(weight, g, sub, tables.slots), tables, lags, weight_budget)
-          .view({1, g.out_channels, 1});
+  const at::Tensor energy =  // [S, Co, 1]
+      phase_energies(backend, blocks, sub_kernels(weight, g, sub, tables.slots), tables, weight_budget)
+          .view({-1, g.out_channels, 1});
   if (is_full_convolution(g)) return energy;
-  return energy.add(phase_sum_correction(weight, sums, g, sub, tables.slots).view({1, g.out_channels, 1}));
+  return energy.sum(0, true).add_(phase_sum_correction(weight, sums, g, sub, tables.slots).view({1, g.out_channels, 1}));
 }
 
 }  // namespace fused_ops

@@ -89,8 +89,8 @@ struct Backend {
   // complex128 and the phases [Mwh, Mwh] complex128 of its last step (§3.5), as the real
   // blocks [[Re, -Im], [Im, Re]] of each bin's matrix: [Md, Mh, Mwh, G, 2 Cig, 2 Cig] double.
   at::Tensor (*correlation_blocks)(const at::Tensor& z_hat, const at::Tensor& phases);
-  // The contraction's quadratic forms (§3.5): [G, C] double, sum over the bins
-  // (g_d, g_h, g_w) and rows k of mirror[g_w] w_hat v at [g_d, g_h, g_w, G, k, c];
+  // The contraction's quadratic forms (§3.5): [S, G, C] double, S partial sums to be added,
+  // over the bins (g_d, g_h, g_w) and rows k of mirror[g_w] w_hat v at [g_d, g_h, g_w, G, k, c];
   // w_hat (the sub-kernels' spectra as [Re; Im]) and v [Md, Mh, Mw, G, 2 Cig, C]
   // double, mirror [Mw] double.
   at::Tensor (*quad_forms)(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
