@@ -278,7 +278,7 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
   at::Tensor blocks;
   int64_t weight_budget = 0;
   {  // x's spectrum is freed before the contraction
-    const at::Tensor x_spec = x_spectrum(x, sub.out_size, backend.spectrum_kernels);
+    const at::Tensor x_spec = x_spectrum(x, sub.out_size, backend.spectrum_kernels, sums.spectrum_plane_sums());
     blocks = correlation_spectrum(backend, x_spec, sub.out_size, tables, g.groups);
     weight_budget = chunk_budget(x_spec, 2, kMaxWeightBytes);
   }

@@ -61,6 +61,11 @@ at::Tensor energy_of(const Backend& backend, EnergyAlgo algo, const at::Tensor& 
 
 namespace {
 
+// The weight's sums over its taps, [Ci, Cog, 1] double.
+at::Tensor weight_sums(const at::Tensor& w, const ConvGeometry& g) {
+  return w.reshape({g.in_channels, g.out_group_channels(), g.taps()}).sum(2, true, at::kDouble);
+}
+
 SampleSumTensors sample_sums(const Backend& backend, const at::Tensor& x, const at::Tensor& w,
                              const ConvGeometry& g) {
   if (!g.has_padding()) return backend.sample_sums(x, w);
@@ -87,7 +92,17 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
     if (!in.sums.w_red.defined()) in.weight = weight_c;  // the finalize sums it
     return;
   }
-  in.sums = sample_sums(backend, x_in, weight_c, g);
+  // The spectral paths read all of x for its spectrum: x's sums come out of that pass
+  // (x_spectrum's plane sums) instead of one of their own (20 us of the seed call).
+  const bool sums_from_spectrum = training && !g.has_padding() &&
+                                  (energy_algo == EnergyAlgo::Fft || energy_algo == EnergyAlgo::CrossSpectrum);
+  if (sums_from_spectrum) {
+    in.sums.x_red = at::empty({g.batch, g.in_channels, x_in.size(2)}, x_in.options().dtype(at::kDouble));
+    in.sums.w_red = weight_sums(weight_c, g);
+    in.sums.x_red_from_spectrum = true;
+  } else {
+    in.sums = sample_sums(backend, x_in, weight_c, g);
+  }
   // The box sums' contraction has Cig * taps terms per (sample, channel): as one batched
   // GEMM here, not in the finalize's loops (pad2: 202 us of its CUDA kernel, 06:17 UTC).
   if (g.has_padding()) in.sample_sums = sample_conv_sums(in.sums, g);

@@ -24,9 +24,14 @@ enum class EnergyAlgo { Direct, SlicedConv, Fft, Correlation, CrossSpectrum, Bor
 
 // The tensors behind SampleSums: x_red [B, Ci, J] and w_red [Ci, Cog, 1 or J], double
 // (w_red undefined where the finalize sums the weight itself: SampleSums::w_red null).
+// x_red_from_spectrum: x_red is [B, Ci, D] and not yet written; the training energy's pass
+// over x for its spectrum writes it (x_spectrum's plane sums), before anything reads it.
 struct SampleSumTensors {
   at::Tensor x_red, w_red;
+  bool x_red_from_spectrum = false;
   SampleSums view(const ConvGeometry& g) const;
+  // x_red where it is to come from x's spectrum, else undefined (x_spectrum's plane_sums).
+  at::Tensor spectrum_plane_sums() const { return x_red_from_spectrum ? x_red : at::Tensor(); }
 };
 
 // Tensors and scalars of the finalize step (see FinalizeArgs); undefined

@@ -18,12 +18,17 @@ void scatter_aten(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0
   spectrum.narrow(3, b0, part.size(0)).copy_(part.permute({2, 3, 4, 0, 1}));
 }
 
-at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const SpectrumKernels& kernels) {
+at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const SpectrumKernels& kernels,
+                      const at::Tensor& plane_sums) {
   const int64_t batch = x.size(0), channels = x.size(1), lwf = grid[2] / 2 + 1;
   const at::ScalarType complex = x.scalar_type() == at::kDouble ? at::kComplexDouble
                                                                 : at::kComplexFloat;
   auto spectrum = at::empty({grid[0], grid[1], lwf, batch, channels}, x.options().dtype(complex));
-  if (kernels.dft && kernels.dft(x, grid, spectrum)) return spectrum;
+  if (kernels.dft && kernels.dft(x, grid, spectrum, plane_sums)) return spectrum;
+  if (plane_sums.defined()) {
+    at::Tensor out = plane_sums;  // a handle: sum_out writes plane_sums' storage
+    at::sum_out(out, x, at::IntArrayRef{3, 4}, false, at::kDouble);
+  }
   const int64_t sample_bytes = grid[0] * grid[1] * lwf * channels * spectrum.element_size();
   const int64_t slice = std::min(batch, std::max<int64_t>(1, kFftSliceBytes / sample_bytes));
   // The zero padding is written once: each slice of samples overwrites only the region

@@ -73,7 +73,8 @@ at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, co
                              const at::Tensor& dft_w, int64_t groups);
 // SpectrumKernels (x_spectrum.h): x_spectrum_dft.cu, and x_spectrum_copies.cu around cuFFT
 // where it does not apply (ATen's copies for other layouts).
-bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum);
+bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum,
+                         const at::Tensor& plane_sums);
 void pad_cuda(const at::Tensor& x, const at::Tensor& padded);
 void scatter_cuda(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0);
 constexpr SpectrumKernels kCudaSpectrumKernels = {x_spectrum_dft_cuda, pad_cuda, scatter_cuda};

@@ -60,32 +60,57 @@ __device__ __forceinline__ void copy_to_shared(V* dst, const V* __restrict__ src
   }
 }
 
-// The block's planes of x, `planes` runs of H W values `stride` apart, into rows of
-// `pitch` values in shared memory, V (16 bytes, or one value) per load: a thread takes
-// the same piece of every plane, kLoads planes per round of loads.
-template <typename T, typename V>
+// The block's planes of x, `planes` (at most kMaxPlanes) runs of H W values `stride` apart,
+// into rows of `pitch` values in shared memory, V (16 bytes, or one value) per load: a thread
+// takes the same piece of every plane, all its loads issued before their stores. With
+// kSums, sums[p] gathers the thread's share of plane p's sum in float64 (stage_plane_sums).
+template <bool kSums, typename T, typename V>
 __device__ __forceinline__ void load_planes(T* rows, const T* __restrict__ x, int64_t stride, int planes, int h,
-                                            int w, int pitch) {
+                                            int w, int pitch, double (&sums)[kMaxPlanes]) {
+  static_assert(kMaxPlanes <= kLoads, "a block's planes are one round of loads");
   constexpr int kPer = sizeof(V) / sizeof(T);
   const int per_plane = h * w / kPer;
   for (int q = threadIdx.x; q < per_plane; q += kThreads) {
     const int e = q * kPer;
     T* dst = rows + (e / w) * pitch + e % w;
-    for (int p0 = 0; p0 < planes; p0 += kLoads) {
-      V v[kLoads];
+    V v[kMaxPlanes];
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        if (p0 + u < planes) v[u] = reinterpret_cast<const V*>(x + (p0 + u) * stride)[q];
-      }
+    for (int p = 0; p < kMaxPlanes; ++p) {
+      if (p < planes) v[p] = reinterpret_cast<const V*>(x + p * stride)[q];
+    }
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        if (p0 + u >= planes) break;
-        const T* values = reinterpret_cast<const T*>(&v[u]);
+    for (int p = 0; p < kMaxPlanes; ++p) {
+      if (p >= planes) break;
+      const T* values = reinterpret_cast<const T*>(&v[p]);
 #pragma unroll
-        for (int k = 0; k < kPer; ++k) dst[(p0 + u) * h * pitch + k] = values[k];
+      for (int k = 0; k < kPer; ++k) {
+        dst[p * h * pitch + k] = values[k];
+        if constexpr (kSums) sums[p] += static_cast<double>(values[k]);
       }
     }
   }
+}
+
+// Each warp's sums of the planes (load_planes) into red[warp][p], by shuffles; after a barrier,
+// write_plane_sums adds the warps' in a fixed order, so the sums do not depend on scheduling.
+constexpr int64_t kPlaneSumsSmem = kThreads / 32 * kMaxPlanes * sizeof(double);  // stage_plane_sums' red
+__device__ __forceinline__ void stage_plane_sums(const double (&sums)[kMaxPlanes],
+                                                 double (&red)[kThreads / 32][kMaxPlanes]) {
+#pragma unroll
+  for (int p = 0; p < kMaxPlanes; ++p) {
+    double s = sums[p];
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32][p] = s;
+  }
+}
+__device__ __forceinline__ void write_plane_sums(const double (&red)[kThreads / 32][kMaxPlanes], int planes,
+                                                 double* out, int64_t stride) {
+  if (static_cast<int>(threadIdx.x) >= planes) return;
+  double total = 0;
+#pragma unroll
+  for (int k = 0; k < kThreads / 32; ++k) total += red[k][threadIdx.x];
+  out[threadIdx.x * stride] = total;
 }
 
 // kTile adjacent table entries: 16 bytes per load, two float2 entries at a time where the tile is
@@ -249,6 +274,7 @@ struct PlaneArgs {
   int w_radix, w_cols, w_bins, w_bins_pad;
   bool vector_loads;  // rows of x are whole 16-byte pieces, 16-byte aligned
   bool rows_in_spec;  // x's rows in the plane spectrum's memory (PlaneSmem)
+  double* plane_sums;  // the slice's [n, Ci, D] of x_spectrum's plane sums, or null
 };
 
 // Shared memory of plane_dft, in units of C (x's rows are T, at the end). Where the W stage
@@ -391,14 +417,25 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 3 : 1) plane_dft_ke
 
   const T* x = static_cast<const T*>(a.x) + ((b * a.ci + ci0) * a.d + d) * a.h * a.w;
   const int64_t plane_stride = int64_t(a.d) * a.h * a.w;
-  if (a.vector_loads) {
-    load_planes<T, typename ComplexOf<T>::vec16>(rows, x, plane_stride, planes, a.h, a.w, row_pitch);
+  using V = typename ComplexOf<T>::vec16;
+  __shared__ double plane_red[kThreads / 32][kMaxPlanes];
+  double sums[kMaxPlanes] = {};
+  if (a.plane_sums == nullptr && a.vector_loads) {
+    load_planes<false, T, V>(rows, x, plane_stride, planes, a.h, a.w, row_pitch, sums);
+  } else if (a.plane_sums == nullptr) {
+    load_planes<false, T, T>(rows, x, plane_stride, planes, a.h, a.w, row_pitch, sums);
   } else {
-    load_planes<T, T>(rows, x, plane_stride, planes, a.h, a.w, row_pitch);
+    if (a.vector_loads) {
+      load_planes<true, T, V>(rows, x, plane_stride, planes, a.h, a.w, row_pitch, sums);
+    } else {
+      load_planes<true, T, T>(rows, x, plane_stride, planes, a.h, a.w, row_pitch, sums);
+    }
+    stage_plane_sums(sums, plane_red);
   }
   // W odd: the split W stage reads x in pairs, the last one's odd input past the row: a zero.
   for (int r = threadIdx.x; r < planes * a.h; r += kThreads) rows[r * row_pitch + a.w] = T(0);
   __syncthreads();
+  if (a.plane_sums != nullptr) write_plane_sums(plane_red, planes, a.plane_sums + (b * a.ci + ci0) * a.d + d, a.d);
 
   if (a.w_radix == 2) {
     w_stage<2, kBinTile>(a, rows, row_pitch, planes * a.h, w_table, spec);
@@ -634,7 +671,8 @@ DepthArgs depth_args(const Plan& p, const at::Tensor& tables, const at::Tensor& 
 
 }  // namespace
 
-bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum) {
+bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum,
+                         const at::Tensor& plane_sums) {
   const bool is_double = x.scalar_type() == at::kDouble;
   if (!(is_double || x.scalar_type() == at::kFloat)) return false;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -645,7 +683,7 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
   // Blocks of up to kMaxPlanes channels, fewer where their shared memory does not fit or
   // where there would be fewer than two blocks per SM (small problems: latency-bound);
   // a plane that does not fit at all leaves x to cuFFT.
-  const int64_t limit = dynamic_smem_limit();
+  const int64_t limit = dynamic_smem_limit() - kPlaneSumsSmem;  // plane_dft's static shared memory
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   int64_t planes = std::min<int64_t>(kMaxPlanes, ci);
   while (planes > 1 && (plane_smem(p, planes).bytes(csize) > limit ||
@@ -653,7 +691,10 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
     planes = (planes + 1) / 2;
   }
   const int64_t plane_bytes = plane_smem(p, planes).bytes(csize), depth_bytes = p.d_table() * csize;
-  if (plane_bytes > limit || depth_bytes > limit) return false;
+  if (plane_bytes > limit || depth_bytes > limit + kPlaneSumsSmem) return false;
+  TORCH_INTERNAL_ASSERT(!plane_sums.defined() ||
+                        (plane_sums.scalar_type() == at::kDouble && plane_sums.is_contiguous() &&
+                         plane_sums.sizes() == at::IntArrayRef({x.size(0), x.size(1), x.size(2)})));
   if (x.numel() == 0) return true;
 
   const int64_t groups = (ci + planes - 1) / planes;
@@ -670,6 +711,7 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
     const at::Tensor xs = x.narrow(0, b0, n).contiguous();
     pa.x = xs.data_ptr();
     pa.vector_loads = p.w % (16 / x.element_size()) == 0 && reinterpret_cast<std::uintptr_t>(pa.x) % 16 == 0;
+    pa.plane_sums = plane_sums.defined() ? plane_sums.data_ptr<double>() + b0 * ci * p.d : nullptr;
     da.b0 = b0;
     da.threads = n * columns;
     const int64_t depth_blocks = (da.threads + kThreads - 1) / kThreads;
