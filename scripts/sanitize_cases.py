@@ -36,6 +36,11 @@ run(8, 64, 64, (8, 8, 8), 3, True, "fft")
 run(8, 32, 32, (8, 8, 8), 5, True, "fft")
 run(5, 14, 10, (4, 5, 6), (3, 2, 3), True, "fft", groups=2, dilation=(2, 1, 3))
 run(3, 7, 5, (6, 3, 5), 2, True, "fft")
+# x_spectrum_dft.cu's tiles at the seed problem's grid (5 W bins per thread, rows of x in the
+# plane spectrum's memory, depth radix 4 in one pass of 5 rows; the plane sums of training)
+# and at a depth grid of 40 (two passes of 8).
+run(2, 8, 4, (16, 32, 32), 5, True, "cross_spectrum")
+run(2, 8, 4, (38, 32, 32), (3, 5, 5), True, "fft")
 # The border's terms (padding > 0): planes, lines and corners as padding-0 problems.
 run(2, 4, 6, (4, 5, 3), 3, True, "border", stride=2, padding=1, output_padding=1)
 run(2, 4, 6, (4, 5, 3), (3, 2, 3), True, "border", stride=(2, 3, 1), dilation=(1, 2, 2),
