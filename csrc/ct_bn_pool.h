@@ -54,6 +54,9 @@ struct Backend {
   // weight[ci, co] summed over its taps; double. x is read in place wherever the
   // device has a strided read of its layout (README, memory formats).
   SampleSumTensors (*sample_sums)(const at::Tensor& x, const at::Tensor& weight);
+  // w_red alone (the weight contiguous): where x's sums come from its spectrum's pass
+  // (SampleSumTensors::x_red_from_spectrum).
+  at::Tensor (*weight_sums)(const at::Tensor& weight);
   // [B, Co, S] double within-sample centred sums of squares of the conv
   // output, computed by the direct kernel from x (contiguous) and the weight
   // (contiguous, x's dtype), which it packs where it needs to.
@@ -148,6 +151,8 @@ double crop_fraction(const ConvGeometry& g);
 // the dispatch `algo` names, shared by the call and energy_border's terms.
 at::Tensor energy_of(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
                      const at::Tensor& weight, const SampleSumTensors& sums, const ConvGeometry& g);
+// Backend::weight_sums with ATen's sum (the CPU's).
+at::Tensor weight_sums_aten(const at::Tensor& weight);
 // Backend::cross_spectrum_rows and Backend::lag_stage with ATen's batched GEMMs (the CPU's).
 at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);

@@ -169,7 +169,7 @@ EnergyAlgo auto_energy_algo_cpu(const ConvGeometry& g, at::ScalarType) {
 // The CPU runs a call's work as it is issued: one stream.
 int64_t table_stream_cpu(const at::Device&) { return 0; }
 
-const Backend kCpuBackend = {sample_sums_cpu,      energy_direct_cpu, finalize_cpu,
+const Backend kCpuBackend = {sample_sums_cpu,      weight_sums_aten,  energy_direct_cpu, finalize_cpu,
                              auto_energy_algo_cpu, nullptr,           nullptr,
                              nullptr,              cross_spectrum_rows_aten,
                              lag_stage_aten,       table_stream_cpu,

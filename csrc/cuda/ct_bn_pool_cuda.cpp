@@ -163,7 +163,7 @@ EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   return cross_spectrum_beats_fft(g) ? EnergyAlgo::CrossSpectrum : EnergyAlgo::Fft;
 }
 
-const Backend kCudaBackend = {sample_sums_any_layout_cuda, energy_direct_cuda, finalize_any_cuda,
+const Backend kCudaBackend = {sample_sums_any_layout_cuda, weight_sums_cuda, energy_direct_cuda, finalize_any_cuda,
                               auto_energy_algo_cuda,       energy_fft_cuda,    fft_applies_cuda,
                               eval_sample_sums_cuda,       cross_spectrum_rows_cuda,
                               lag_stage_cuda,              table_stream_cuda,

@@ -20,6 +20,8 @@ struct SampleLayout {
 // Backend::sample_sums of x read in place: spatial_sum.cu for adjacent positions
 // (layout.position 1), spatial_sum_channels_last.cu for adjacent channels
 // (layout.channel 1).
+// Backend::weight_sums: spatial_sum.cu, weight_sum.cuh's rows without x.
+at::Tensor weight_sums_cuda(const at::Tensor& weight);
 SampleSumTensors sample_sums_cuda(const at::Tensor& x, const SampleLayout& layout,
                                   const at::Tensor& weight);
 SampleSumTensors sample_sums_channels_last_cuda(const at::Tensor& x, const SampleLayout& layout,

@@ -6,6 +6,8 @@
 // memory bandwidth: 16-byte loads, kUnroll of them in flight per thread, one block
 // per row (or per part of a row when there are too few rows to fill the GPU),
 // double accumulation.
+// Also the weight's sums alone (weight_sums_cuda), for training on the spectral paths, whose
+// pass over x for its spectrum takes x's sums (x_spectrum_dft.cu).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -64,7 +66,34 @@ __global__ void __launch_bounds__(kThreads)
   weight_block_share<scalar_t, kThreads / 32>(w, w_rows, block);
 }
 
+// The weight's rows alone, a warp each (weight_row_sums): where x's sums come from its
+// spectrum's pass (SampleSumTensors::x_red_from_spectrum) and no pass over x takes them.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    weight_sum_kernel(const scalar_t* __restrict__ w, int64_t rows, int64_t len, double* __restrict__ out) {
+  constexpr int kWarps = kThreads / 32;
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kWarps;
+  weight_row_sums<scalar_t, kWarps>(w, len, begin, std::min(rows, begin + kWarps), out);
+}
+
 }  // namespace
+
+at::Tensor weight_sums_cuda(const at::Tensor& weight) {
+  const c10::cuda::CUDAGuard guard(weight.device());
+  TORCH_CHECK(weight.is_contiguous(), "ct_bn_pool: weight_sums_cuda takes a contiguous weight");
+  const int64_t rows = weight.size(0) * weight.size(1), taps = weight.size(2) * weight.size(3) * weight.size(4);
+  auto out = at::empty({weight.size(0), weight.size(1), 1}, weight.options().dtype(at::kDouble));
+  const int64_t blocks = (rows + kThreads / 32 - 1) / (kThreads / 32);
+  TORCH_CHECK(blocks < (int64_t(1) << 31), "ct_bn_pool: weight too large for one launch (", rows, " rows)");
+  if (blocks == 0) return out;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "weight_sums_cuda", [&] {
+    weight_sum_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(weight.data_ptr<scalar_t>(), rows, taps,
+                                                                 out.data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
 
 SampleSumTensors sample_sums_cuda(const at::Tensor& x, const SampleLayout& layout,
                                   const at::Tensor& weight) {
