@@ -157,7 +157,8 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
       keep_h_stage_output(chunks, grid[0] * mh * columns * c10::elementSize(at::kComplexDouble), x_spec);
   const at::Tensor coef_w_x = coef_w.to(x_spec.scalar_type());  // once, not per chunk
   const at::Tensor p_all = deferred ? at::empty({grid[0], mh, columns}, lag_options) : at::Tensor();
-  at::Tensor r = deferred ? at::empty({1, md, mh * columns}, lag_options) : at::zeros({1, md, mh * columns}, lag_options);
+  at::Tensor r = deferred ? at::empty({1, md, mh * columns}, lag_options)
+                          : at::zeros({1, md, mh * columns}, lag_options);
   for (int64_t fd0 = 0; fd0 < grid[0]; fd0 += chunk) {
     const int64_t n = std::min(chunk, grid[0] - fd0);
     const at::Tensor q = backend.cross_spectrum_rows(x_spec, fd0, n, coef_w_x, groups);
@@ -286,7 +287,8 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
       phase_energies(backend, blocks, sub_kernels(weight, g, sub, tables.slots), tables, weight_budget)
           .view({-1, g.out_channels, 1});
   if (is_full_convolution(g)) return energy;
-  return energy.sum(0, true).add_(phase_sum_correction(weight, sums, g, sub, tables.slots).view({1, g.out_channels, 1}));
+  const at::Tensor correction = phase_sum_correction(weight, sums, g, sub, tables.slots);
+  return energy.sum(0, true).add_(correction.view({1, g.out_channels, 1}));
 }
 
 }  // namespace fused_ops

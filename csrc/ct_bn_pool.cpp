@@ -115,7 +115,6 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
   if (in.sums.x_red_from_spectrum) in.sums.x_red = in.sums.x_red.sum(2, true);
 }
 
-
 // Sets the BN parameters, running stats and scalars of `in`, as contiguous
 // tensors of dtype `dtype` (the finalize's C).
 void set_bn_inputs(const c10::optional<at::Tensor>& bias, double scale,

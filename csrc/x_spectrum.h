@@ -10,11 +10,11 @@ namespace fused_ops {
 // What a device does faster than ATen around (or instead of) x's FFT. dft: the whole
 // spectrum without the FFT, where it takes the problem (CUDA: x_spectrum_dft.cu, DFT
 // matrices in shared memory, for float32 and float64 x), and plane_sums where defined (see
-// x_spectrum): returns false, having written nothing, where it does not; nullptr: never. Otherwise the FFT, with these copies around it
-// (CUDA: x_spectrum_copies.cu, ATen's copies for other layouts). pad: padded[:, :, :D,
-// :H, :W] = x, padded [n, Ci, Ld, Lh, Lw] contiguous. scatter: spectrum[f, b0 + k, c] =
-// part[k, c, f] for part [n, Ci, Ld, Lh, Lwf] and spectrum [Ld, Lh, Lwf, B, Ci]
-// contiguous, f = (fd, fh, fw).
+// x_spectrum): returns false, having written nothing, where it does not; nullptr: never.
+// Otherwise the FFT, with these copies around it (CUDA: x_spectrum_copies.cu, ATen's copies
+// for other layouts). pad: padded[:, :, :D, :H, :W] = x, padded [n, Ci, Ld, Lh, Lw]
+// contiguous. scatter: spectrum[f, b0 + k, c] = part[k, c, f] for part [n, Ci, Ld, Lh, Lwf]
+// and spectrum [Ld, Lh, Lwf, B, Ci] contiguous, f = (fd, fh, fw).
 struct SpectrumKernels {
   bool (*dft)(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum, const at::Tensor& plane_sums);
   void (*pad)(const at::Tensor& x, const at::Tensor& padded);

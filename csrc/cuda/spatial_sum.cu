@@ -1,13 +1,12 @@
 // The reductions behind the per-sample sums (docs/math.md §2), in one launch:
 // per-(b, ci) sums of x over D, H, W and the weight sums (weight_sum.cuh), a
 // few rows per block, for x whose positions are adjacent in memory (contiguous x
-// and its slices along B or Ci; kernels.h). Training mode's sums, and eval mode's
-// where spatial_sum_x.cu does not apply (ct_bn_pool_cuda.cpp). Written to run at
-// memory bandwidth: 16-byte loads, kUnroll of them in flight per thread, one block
-// per row (or per part of a row when there are too few rows to fill the GPU),
-// double accumulation.
-// Also the weight's sums alone (weight_sums_cuda), for training on the spectral paths, whose
-// pass over x for its spectrum takes x's sums (x_spectrum_dft.cu).
+// and its slices along B or Ci; kernels.h). Training mode's sums (but on the spectral paths,
+// whose pass over x for its spectrum takes x's, x_spectrum_dft.cu: there the weight's sums
+// alone, weight_sums_cuda), and eval mode's where spatial_sum_x.cu does not apply
+// (ct_bn_pool_cuda.cpp). Written to run at memory bandwidth: 16-byte loads, kUnroll of them in
+// flight per thread, one block per row (or per part of a row when there are too few rows to
+// fill the GPU), double accumulation.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -412,7 +412,8 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 3 : 1) plane_dft_ke
   C* h_table = w_table + w_table_n;
   C* spec = h_table + h_table_n;  // [planes][slice_stride]: the plane's DFT over W, [h, fw]
   copy_to_shared(w_table, static_cast<const C*>(a.table), w_table_n + h_table_n);
-  T* rows = reinterpret_cast<T*>(a.rows_in_spec ? spec : spec + a.planes_per_block * a.slice_stride);  // [planes * H][W + 1]
+  // [planes * H][W + 1]
+  T* rows = reinterpret_cast<T*>(a.rows_in_spec ? spec : spec + a.planes_per_block * a.slice_stride);
   const int row_pitch = a.w + 1;  // odd: a warp's rows fall in distinct banks
 
   const T* x = static_cast<const T*>(a.x) + ((b * a.ci + ci0) * a.d + d) * a.h * a.w;
