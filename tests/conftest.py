@@ -136,6 +136,22 @@ def random_problems(count, seed, **fixed):
 STEP_TOL = {torch.float32: 1e-6, torch.float64: 1e-10}
 
 
+def assert_train_steps_match(ref, fused, next_input, tolerance, steps=3):
+    """`steps` training calls of `fused` on next_input()'s tensors against its float64
+    reference `ref` (on the CPU): each output, then the running statistics, within relative
+    error `tolerance`."""
+    ref.train()
+    fused.train()
+    for _ in range(steps):
+        x = next_input()
+        with torch.no_grad():
+            out = fused(x)
+            expected = ref(x.double().cpu())
+        assert relerr(out, expected) <= tolerance
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= tolerance, name
+
+
 def cuda_train_step_kernels(problem: Problem, algo: str, dtype=torch.float32):
     """One training step of `problem` in `dtype` on CUDA with `algo`, checked against float64
     (output and running statistics); the names of the kernels it ran."""

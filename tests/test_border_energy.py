@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import DEVICES, Problem, assert_no_host_sync, make_input, make_models, relerr
+from conftest import (DEVICES, Problem, assert_no_host_sync, assert_train_steps_match, make_input, make_models,
+                      relerr)
 
 PROBLEMS = [
     Problem(3, 4, 5, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1)),
@@ -63,18 +64,8 @@ def test_matches_reference_over_steps(problem, device, dtype):
         # rounding is amplified as much (docs/math.md §3.6); float64 covers the geometry.
         pytest.skip("the crop keeps under a quarter of the grid: float64 only")
     ref, fused = make_models(problem, dtype, device, algo="border")
-    ref.train()
-    fused.train()
-    for _ in range(3):
-        # An offset, so that the sample means are far from 0 and the centring is tested.
-        x = make_input(problem, dtype, device) + 0.75
-        with torch.no_grad():
-            out = fused(x)
-            expected = ref(x.double().cpu())
-        assert relerr(out, expected) <= TOLERANCE[dtype]
-    for name in ("running_mean", "running_var"):
-        assert relerr(getattr(fused.batch_norm, name),
-                      getattr(ref.batch_norm, name)) <= TOLERANCE[dtype], name
+    # An offset, so that the sample means are far from 0 and the centring is tested.
+    assert_train_steps_match(ref, fused, lambda: make_input(problem, dtype, device) + 0.75, TOLERANCE[dtype])
 
 
 def test_crop_fraction():

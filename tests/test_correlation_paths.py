@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import (DEVICES, Problem, assert_no_host_sync, cuda_train_step, cuda_train_step_kernels,
-                      make_input, make_models, random_problems, relerr)
+from conftest import (DEVICES, Problem, assert_no_host_sync, assert_train_steps_match, cuda_train_step,
+                      cuda_train_step_kernels, make_input, make_models, random_problems, relerr)
 from test_fft_energy import FFT_PROBLEMS, STRIDED_FFT_PROBLEMS
 
 # The FFT path's problems (every padding-0 family, two passes of its tiles, the seed
@@ -55,17 +55,7 @@ def test_matches_reference_over_steps(problem, device, dtype, algo):
         out = ref.conv_transpose(make_input(problem, torch.float64))
     if out.shape[0] * out[0, 0].numel() == 1:
         pytest.skip("one value per channel: training is refused (tests/test_errors.py)")
-    ref.train()
-    fused.train()
-    for _ in range(3):
-        x = make_input(problem, dtype, device)
-        with torch.no_grad():
-            out = fused(x)
-            expected = ref(x.double().cpu())
-        assert relerr(out, expected) <= TOL[dtype]
-    for name in ("running_mean", "running_var"):
-        assert relerr(getattr(fused.batch_norm, name),
-                      getattr(ref.batch_norm, name)) <= TOL[dtype], name
+    assert_train_steps_match(ref, fused, lambda: make_input(problem, dtype, device), TOL[dtype])
 
 
 @pytest.mark.parametrize("algo", ALGOS)

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (Problem, assert_no_host_sync, cuda_train_step_kernels, make_input, make_models,
-                      random_problems, relerr)
+from conftest import (Problem, assert_no_host_sync, assert_train_steps_match, cuda_train_step_kernels, make_input,
+                      make_models, random_problems, relerr)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -71,16 +71,7 @@ STRIDED_FFT_PROBLEMS = [
 @pytest.mark.parametrize("problem", FFT_PROBLEMS + STRIDED_FFT_PROBLEMS, ids=Problem.ids)
 def test_fft_matches_reference_over_steps(problem):
     ref, fused = make_models(problem, torch.float32, "cuda", algo="fft")
-    ref.train()
-    fused.train()
-    for _ in range(3):
-        x = make_input(problem, torch.float32, "cuda")
-        with torch.no_grad():
-            out = fused(x)
-            expected = ref(x.double().cpu())
-        assert relerr(out, expected) <= 1e-6
-    for name in ("running_mean", "running_var"):
-        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
+    assert_train_steps_match(ref, fused, lambda: make_input(problem, torch.float32, "cuda"), 1e-6)
 
 
 def spectral_kernels(problem):
