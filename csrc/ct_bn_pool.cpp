@@ -65,6 +65,13 @@ at::Tensor weight_sums_aten(const at::Tensor& weight) {
 
 namespace {
 
+// Below this much x the spectrum's pass does not repay its sums' two small launches (the
+// weight's sums, the planes' sum over D) against spatial_sum's one: docs/performance.md,
+// 2026-12-01 08:25 UTC, seed (67 MB) 20.1 us of spatial_sum against 6.6 of launches and 4 more
+// of plane_dft; t8c64 (1 MB) 0.069 ms with them against 0.065 without. A linear model of those
+// two crosses near 18 MB; not measured between them.
+constexpr int64_t kMinSpectrumSumsBytes = int64_t(32) << 20;
+
 SampleSumTensors sample_sums(const Backend& backend, const at::Tensor& x, const at::Tensor& w,
                              const ConvGeometry& g) {
   if (!g.has_padding()) return backend.sample_sums(x, w);
@@ -94,7 +101,8 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
   // The spectral paths read all of x for its spectrum: x's sums come out of that pass
   // (x_spectrum's plane sums) instead of one of their own (20 us of the seed call).
   const bool sums_from_spectrum = training && !g.has_padding() &&
-                                  (energy_algo == EnergyAlgo::Fft || energy_algo == EnergyAlgo::CrossSpectrum);
+                                  (energy_algo == EnergyAlgo::Fft || energy_algo == EnergyAlgo::CrossSpectrum) &&
+                                  x_in.numel() * x_in.element_size() >= kMinSpectrumSumsBytes;
   if (sums_from_spectrum) {
     in.sums.x_red = at::empty({g.batch, g.in_channels, x_in.size(2)}, x_in.options().dtype(at::kDouble));
     in.sums.w_red = backend.weight_sums(weight_c);
