@@ -173,9 +173,9 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
 // [S, G, Cog] double, S rows to be added (the finalize adds them, bn_finalize.h): sum over
 // the phases r of sum_{m, m'} w_r[:, c, m]^T R'(m - m') w_r[:, c, m'], as
 // (1 / |M|) sum_g W_r(g)^H R^(g) W_r(g) on the grid M = 2k' - 1 per dim, where both DFTs
-// are exact (§3.5). One chunk of one phase (the seed problem) leaves its S slices of the
-// bins unadded: four small kernels fewer per call (a reduction, a copy, a sum over the phases
-// and a scaling). blocks: R^ (correlation_spectrum), in real blocks.
+// are exact (§3.5). One chunk of one phase (the seed problem) leaves its S partial sums
+// (Backend::quad_forms) unadded: four small kernels fewer per call (a reduction, a copy, a sum
+// over the phases and a scaling). blocks: R^ (correlation_spectrum), in real blocks.
 // budget: bytes of the sub-kernels' spectra per chunk of output channels.
 // stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] (sub_kernels), so that their DFT
 // comes out with a frequency's [Cig, P Cog] matrix contiguous.
@@ -192,7 +192,7 @@ at::Tensor phase_energies(const Backend& backend, const at::Tensor& blocks, cons
     const at::Tensor taps = stack.narrow(6, c0, n).flatten(3, 5);  // [k'd, k'h, k'w, G Cig P, n], a view
     const at::Tensor w_hat = backend.tap_spectrum(taps, tables.dft[0], tables.dft[1], tables.dft[2], groups)
                                  .view({blocks.size(0), blocks.size(1), blocks.size(2), groups, 2 * cig, phases * n});
-    return backend.quad_forms(w_hat, at::matmul(blocks, w_hat), tables.mirror);
+    return backend.quad_forms(blocks, w_hat, tables.mirror);
   };
   if (phases == 1 && chunk == cog) return quad_forms(0, cog);
   auto energy = at::empty({groups, phases, cog}, stack.options().dtype(at::kDouble));
@@ -245,8 +245,8 @@ at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& ph
   return at::cat({at::cat({re, -im}, -1), at::cat({im, re}, -1)}, -2);
 }
 
-at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror) {
-  const at::Tensor quad = at::mul(w_hat, v).sum(4);
+at::Tensor quad_forms_aten(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror) {
+  const at::Tensor quad = at::mul(w_hat, at::matmul(blocks, w_hat)).sum(4);
   return quad.mul_(mirror.view({1, 1, -1, 1, 1})).sum(at::IntArrayRef{0, 1, 2}).unsqueeze(0);
 }
 

@@ -98,10 +98,11 @@ struct Backend {
   // blocks [[Re, -Im], [Im, Re]] of each bin's matrix: [Md, Mh, Mwh, G, 2 Cig, 2 Cig] double.
   at::Tensor (*correlation_blocks)(const at::Tensor& z_hat, const at::Tensor& phases);
   // The contraction's quadratic forms (§3.5): [S, G, C] double, S partial sums to be added,
-  // over the bins (g_d, g_h, g_w) and rows k of mirror[g_w] w_hat v at [g_d, g_h, g_w, G, k, c];
-  // w_hat (the sub-kernels' spectra as [Re; Im]) and v [Md, Mh, Mw, G, 2 Cig, C]
-  // double, mirror [Mw] double.
-  at::Tensor (*quad_forms)(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
+  // over the bins (g_d, g_h, g_w) and rows k of mirror[g_w] w_hat v at [g_d, g_h, g_w, G, k, c],
+  // v = blocks w_hat per bin and group; blocks (R^, correlation_blocks) [Md, Mh, Mw, G, 2 Cig,
+  // 2 Cig], w_hat (the sub-kernels' spectra as [Re; Im]) [Md, Mh, Mw, G, 2 Cig, C], double,
+  // mirror [Mw] double.
+  at::Tensor (*quad_forms)(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror);
   // The sub-kernels' spectra on the grid M (§3.5): taps [k'd, k'h, k'w, R, N], float32 or
   // float64 in any strides (a view of the weight: cross_spectrum_energy.cpp's sub_kernels),
   // its R N columns (r, n) with n fastest, C = R N / G per group, and each dim's forward DFT
@@ -159,7 +160,7 @@ at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64
 void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
 // Backend::correlation_blocks and Backend::quad_forms with ATen ops (the CPU's).
 at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& phases);
-at::Tensor quad_forms_aten(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
+at::Tensor quad_forms_aten(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror);
 // Backend::tap_spectrum with ATen's GEMMs, one dim at a time (the CPU's).
 at::Tensor tap_spectrum_aten(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
                              const at::Tensor& dft_w, int64_t groups);

@@ -73,6 +73,14 @@ os.environ["FUSED_OPS_W_STAGE"] = "simt"
 run(2, 40, 6, (3, 4, 5), (2, 2, 10), True, "cross_spectrum")
 run(32, 32, 5, (3, 4, 5), (3, 2, 10), True, "cross_spectrum")
 del os.environ["FUSED_OPS_W_STAGE"]
+# quad_form_mma.cu (sm_90; the cross_spectrum cases above run it): R = 72 rows with 200
+# columns (partial row and column tiles, a chunk past R), and 37 columns (odd: 8-byte copies
+# of W); cuBLAS's product and quad_form.cu, forced where that one runs.
+run(2, 36, 200, (3, 4, 5), 2, True, "cross_spectrum")
+run(2, 5, 37, (3, 4, 5), (2, 3, 2), True, "cross_spectrum")
+os.environ["FUSED_OPS_CONTRACTION"] = "gemm"
+run(2, 36, 200, (3, 4, 5), 2, True, "cross_spectrum")
+del os.environ["FUSED_OPS_CONTRACTION"]
 m = fused_ops.ConvTransposeBNPool3d(4, 6, 3, 2.0, stride=2, track_running_stats=False).cuda()
 with torch.no_grad():
     assert torch.isfinite(m(torch.randn(2, 4, 3, 4, 5, device="cuda"))).all()

@@ -238,6 +238,37 @@ def test_cross_spectrum_w_stage_kernels(problem, w_stage, monkeypatch):
     assert any("cross_spectrum_kernel<float" in n for n in names) == (not mma)
 
 
+# The contraction's cases (csrc/cuda/quad_form_mma.cu; R = 2 Cig rows, C columns per group and
+# call): R = C = 128 (the seed problem's two row and two column tiles); R = 10 (one partial row
+# tile, one chunk) with C = 37 (odd: W copied 8 bytes at a time); R = 72 (a second row tile of
+# 8 rows, a chunk past R) with C = 200 (a last column tile of 8); groups of 3, with R = 72 and
+# C = 20, and R = 10 and C = 7; 48 output channels in calls of 20, 20 and 8 columns
+# (phase_energies' 8 MiB of spectra per chunk); two phases (C = P n).
+CONTRACTION_PROBLEMS = [
+    Problem(2, 64, 128, (3, 4, 5), (2, 2, 3)),
+    Problem(2, 5, 37, (3, 4, 5), (2, 3, 2)),
+    Problem(2, 36, 200, (3, 4, 5), (2, 2, 2)),
+    Problem(2, 108, 60, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(groups=3)),
+    Problem(2, 15, 21, (3, 4, 5), (2, 3, 2), scale=-1.5, conv_kwargs=dict(groups=3)),
+    Problem(2, 64, 48, (2, 3, 3), (5, 5, 5)),
+    Problem(2, 4, 12, (3, 4, 5), (3, 5, 3), conv_kwargs=dict(stride=(1, 2, 1), groups=2))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("contraction", ["default", "gemm"])
+@pytest.mark.parametrize("problem", CONTRACTION_PROBLEMS, ids=Problem.ids)
+def test_cross_spectrum_contraction_kernels(problem, contraction, monkeypatch):
+    """csrc/cuda/quad_form_mma.cu (the fused contraction, float64 tensor cores) on sm_90 and
+    later, else cuBLAS's product and quad_form.cu; FUSED_OPS_CONTRACTION=gemm takes the latter
+    everywhere. Both against float64, and the kernel that ran is the one named."""
+    if contraction == "gemm":
+        monkeypatch.setenv("FUSED_OPS_CONTRACTION", "gemm")
+    names = cross_spectrum_step_kernels(problem)
+    fused = contraction == "default" and torch.cuda.get_device_capability()[0] >= 9
+    assert any("quad_form_mma_kernel" in n for n in names) == fused
+    assert any("quad_form_kernel" in n for n in names) == (not fused)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("problem, kernel", [
     (Problem(3, 6, 5, (3, 4, 5), (2, 3, 4)), True),
@@ -304,16 +335,18 @@ def test_cross_spectrum_tap_spectrum_reads_a_strided_weight():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cross_spectrum_refuses_an_unknown_w_stage(monkeypatch):
-    """FUSED_OPS_W_STAGE takes `auto` or `simt`; anything else is an error naming it, and
-    the running statistics and the batch count are left as they were."""
-    monkeypatch.setenv("FUSED_OPS_W_STAGE", "tensor_cores")
+@pytest.mark.parametrize("variable", ["FUSED_OPS_W_STAGE", "FUSED_OPS_CONTRACTION"])
+def test_cross_spectrum_refuses_an_unknown_route(variable, monkeypatch):
+    """FUSED_OPS_W_STAGE takes `auto` or `simt`, FUSED_OPS_CONTRACTION `auto` or `gemm`;
+    anything else is an error naming the variable, and the running statistics and the batch
+    count are left as they were."""
+    monkeypatch.setenv(variable, "tensor_cores")
     p = Problem(2, 8, 4, (3, 4, 5), (2, 2, 2))
     _, fused = make_models(p, torch.float32, "cuda", algo="cross_spectrum")
     fused.train()
     bn = fused.batch_norm
     before = [t.clone() for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
-    with torch.no_grad(), pytest.raises(RuntimeError, match="FUSED_OPS_W_STAGE"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match=variable):
         fused(make_input(p, torch.float32, "cuda"))
     for old, now in zip(before, (bn.running_mean, bn.running_var, bn.num_batches_tracked)):
         assert torch.equal(old, now)

@@ -16,9 +16,8 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
+#include "cuda/forced_route.h"
 #include "cuda/kernels.h"
 #include "cuda/spectrum_common.cuh"
 #include "message.h"
@@ -270,17 +269,6 @@ void launch_rows(const RowsArgs& a, dim3 grid) {
   }
 }
 
-// FUSED_OPS_W_STAGE=simt: this file's kernel for float32 spectra on sm_90 too, where
-// cross_spectrum_mma.cu runs otherwise (the tests run both there); unset, empty or `auto`:
-// the default. Read at every call.
-bool simt_forced() {
-  const char* v = std::getenv("FUSED_OPS_W_STAGE");
-  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "auto") == 0) return false;
-  TORCH_CHECK(std::strcmp(v, "simt") == 0, "ct_bn_pool: FUSED_OPS_W_STAGE must be 'auto' or 'simt', got '", v,
-              "'");
-  return true;
-}
-
 }  // namespace
 
 at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count,
@@ -308,7 +296,8 @@ at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64
               " rows, ", to_str(row_tiles), " tiles, ", to_str(groups), " groups)");
   const at::Tensor c = coef.to(is_double ? at::kComplexDouble : at::kComplexFloat).contiguous();
   auto q = at::empty({count, a.lh, a.lags_total, groups, a.cig, a.cig}, x_spec.options());
-  if (!simt_forced() && cross_spectrum_mma_supported(x_spec, groups)) {
+  // FUSED_OPS_W_STAGE=simt: this file's kernel for float32 spectra on sm_90 too.
+  if (!route_forced("FUSED_OPS_W_STAGE", "simt") && cross_spectrum_mma_supported(x_spec, groups)) {
     cross_spectrum_rows_mma_cuda(x_spec, fd0, count, c, groups, q);
     return q;
   }

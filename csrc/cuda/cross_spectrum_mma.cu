@@ -20,10 +20,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
-#include <vector>
 
 #include "cuda/kernels.h"
+#include "cuda/mma_f64.cuh"
 #include "message.h"
 
 namespace fused_ops {
@@ -39,9 +38,6 @@ constexpr int kPitch = 52;                                       // = 4 (mod 16)
                                                                  // 16 (sample, channel) pairs of a
                                                                  // half-warp fall in distinct banks
 constexpr int kMaxLags = 5;
-// The MMA's K: mma.m16n8k8 issues half the instructions of m16n8k4 (the seed call's W stage
-// took 254.7 us against 272.1 with it, docs/performance.md).
-constexpr int kMmaK = 8;
 
 struct MmaArgs {
   const float2* x;     // [Ld, Lh, Lwf, B, Ci]
@@ -50,20 +46,6 @@ struct MmaArgs {
   int64_t fd0, lh, lwf, batch, ci, cig, lags_total, lag0, lags;
   int tiles_q, blocks_per_row;
 };
-
-// d += a b, a 16 x 8 by 8 x 8 product on the float64 tensor cores (PTX ISA, mma.m16n8k8
-// .f64): a[v] is row lane/4 + 8 (v % 2), column lane%4 + 4 (v / 2); b[v] row lane%4 + 4 v,
-// column lane/4; d0, d1 row lane/4, columns 2 (lane%4) and + 1; d2, d3 8 rows below.
-__device__ __forceinline__ void mma_f64(double (&d)[4], const double (&a)[kMmaK / 2], const double (&b)[kMmaK / 4]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
-      : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
-#else
-  __trap();  // cross_spectrum_mma_supported keeps other architectures out
-#endif
-}
 
 // What block `y` of a row computes. A row block p (16 rows) takes its tiles q >= 2p four at a
 // time, a warp each. With an even tile count T, the row blocks whose T - 2p tiles are 2 more
@@ -296,20 +278,7 @@ bool cross_spectrum_mma_supported(const at::Tensor& x_spec, int64_t groups) {
       x_spec.size(4) * kSamples * 8 >= (int64_t(1) << 31) || x_spec.size(3) >= (int64_t(1) << 31)) {
     return false;
   }
-  // The binary that runs on this device must come from compute_90 or later: a PTX of an
-  // older architecture, JIT-compiled here, holds no mma.f64 of this shape.
-  static std::mutex mutex;
-  static std::vector<int> ptx_version;  // per device; 0: not asked yet
-  const std::lock_guard<std::mutex> lock(mutex);
-  const int device = x_spec.device().index();
-  if (static_cast<int>(ptx_version.size()) <= device) ptx_version.resize(device + 1, 0);
-  if (ptx_version[device] == 0) {
-    const c10::cuda::CUDAGuard guard(x_spec.device());
-    cudaFuncAttributes attr;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, cross_spectrum_mma_kernel<kMaxLags, true>));
-    ptx_version[device] = attr.ptxVersion;
-  }
-  return ptx_version[device] >= 90;
+  return compiled_for_sm90(reinterpret_cast<const void*>(cross_spectrum_mma_kernel<kMaxLags, true>), x_spec.device());
 }
 
 void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count, const at::Tensor& coef,

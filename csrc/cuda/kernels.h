@@ -63,8 +63,15 @@ void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t
 void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
 // Backend::correlation_blocks: correlation_blocks.cu, one thread per entry and chunk of bins.
 at::Tensor correlation_blocks_cuda(const at::Tensor& z_hat, const at::Tensor& phases);
-// Backend::quad_forms: quad_form.cu, one read of w_hat and v.
-at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror);
+// Backend::quad_forms: quad_form_mma.cu (float64 tensor cores, the product never stored) where
+// quad_forms_mma_supported, unless FUSED_OPS_CONTRACTION=gemm; else cuBLAS's batched product
+// and quad_form.cu, one read of w_hat and the product.
+at::Tensor quad_forms_cuda(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror);
+// Whether quad_forms_mma_cuda runs for these operands: contiguous, aligned for its copies, a
+// binary of compute_90 or later on their device, sizes its int offsets hold.
+bool quad_forms_mma_supported(const at::Tensor& blocks, const at::Tensor& w_hat);
+// Backend::quad_forms with S = bins x tiles of 64 rows: one partial sum per (bin, row tile).
+at::Tensor quad_forms_mma_cuda(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror);
 // Backend::tap_spectrum: tap_spectrum.cu, one thread per column and depth bin b_d <= M_d / 2
 // (the taps are real: the other bins are mirrors); tap_spectrum_aten where k'w exceeds 8
 // (its instantiations) or a block's planes of k'h k'w values per thread and tables exceed

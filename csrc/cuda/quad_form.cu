@@ -1,7 +1,9 @@
 // The cross-spectrum path's contraction (docs/math.md §3.5): for each column c of a
 // group (an output channel of a phase), sum over the kept bins g and the rows k of the
 // real and imaginary parts of W, [Re W; Im W], of mirror(g) W[g, k, c] V[g, k, c],
-// V = R^ W in the same real form: Re(W^H R^ W). As ATen ops this was a product into a
+// V = R^ W in the same real form: Re(W^H R^ W). On sm_90 quad_form_mma.cu does it all in one
+// kernel; elsewhere, or with FUSED_OPS_CONTRACTION=gemm, V is cuBLAS's batched product and
+// this file's kernel forms the sums. As ATen ops this was a product into a
 // temporary as large as W, two reductions and a scaling per chunk of columns (0.09 ms
 // per seed call, docs/performance.md); here it is one read of W and V. A block owns 32
 // adjacent columns (coalesced loads) and a slice of the bins; the slices' sums are returned
@@ -14,6 +16,7 @@
 
 #include <algorithm>
 
+#include "cuda/forced_route.h"
 #include "cuda/kernels.h"
 #include "message.h"
 
@@ -60,15 +63,8 @@ __global__ void __launch_bounds__(kThreads) quad_form_kernel(QuadArgs a) {
   a.partial[(static_cast<int64_t>(blockIdx.y) * a.groups + group) * a.cols + col] = total;
 }
 
-}  // namespace
-
-at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror) {
-  const c10::cuda::CUDAGuard guard(w_hat.device());
-  TORCH_CHECK(w_hat.dim() == 6 && v.sizes() == w_hat.sizes() &&
-                  w_hat.scalar_type() == at::kDouble && v.scalar_type() == at::kDouble &&
-                  mirror.scalar_type() == at::kDouble && mirror.dim() == 1 &&
-                  mirror.size(0) == w_hat.size(2),
-              "ct_bn_pool: quad_forms_cuda: inconsistent shapes or dtypes");
+// The sums of w_hat v (quad_forms_cuda's other route).
+at::Tensor forms_of_product(const at::Tensor& w_hat, const at::Tensor& v, const at::Tensor& mirror) {
   const at::Tensor w = w_hat.contiguous(), vc = v.contiguous(), m = mirror.contiguous();  // no-ops here
   QuadArgs a;
   a.bins = w.size(0) * w.size(1) * w.size(2);
@@ -96,6 +92,22 @@ at::Tensor quad_forms_cuda(const at::Tensor& w_hat, const at::Tensor& v, const a
   quad_form_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return partial;
+}
+
+}  // namespace
+
+at::Tensor quad_forms_cuda(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror) {
+  const c10::cuda::CUDAGuard guard(w_hat.device());
+  TORCH_CHECK(w_hat.dim() == 6 && blocks.dim() == 6 && blocks.sizes().slice(0, 5) == w_hat.sizes().slice(0, 5) &&
+                  blocks.size(5) == w_hat.size(4) && w_hat.scalar_type() == at::kDouble &&
+                  blocks.scalar_type() == at::kDouble && mirror.scalar_type() == at::kDouble &&
+                  mirror.dim() == 1 && mirror.size(0) == w_hat.size(2),
+              "ct_bn_pool: quad_forms_cuda: inconsistent shapes or dtypes");
+  // FUSED_OPS_CONTRACTION=gemm: the product and this file's kernel on sm_90 too.
+  if (!route_forced("FUSED_OPS_CONTRACTION", "gemm") && quad_forms_mma_supported(blocks, w_hat)) {
+    return quad_forms_mma_cuda(blocks, w_hat, mirror);
+  }
+  return forms_of_product(w_hat, at::matmul(blocks, w_hat), mirror);
 }
 
 }  // namespace fused_ops

@@ -1,0 +1,177 @@
+"""A numpy model of csrc/cuda/quad_form_mma.cu (docs/math.md §3.5, the fused contraction): its
+blocks (bin, group, row tile, column tile), the pieces each thread stages per chunk (cp.async's
+zeros past R and C; shared memory never staged is NaN, so reading it shows), the chunks from
+the last down to the block's own rows with the sums doubled before the diagonal tile,
+mma.m16n8k8's fragment layouts (mma_f64.cuh), the epilogue's weights from the last two chunks
+staged, the shuffles over lane/4 and the two halves' sum. Checked against the direct formula
+sum_g mirror[g_w] W^T (B W) on random R^ (Hermitian, in real blocks) for several R = 2 Cig, C,
+groups and chunks of columns (phase_energies' calls), and each partial sum written once.
+Last, the DMMAs of the seed problem's call and the time they take at the H200's float64
+tensor rate.
+
+    python scripts/contraction_mma_check.py
+"""
+import numpy as np
+
+TILE, CHUNK, WARP_TILE, THREADS, MMA_K = 64, 32, 32, 128, 8
+PITCH_B, PITCH_W = CHUNK + 4, TILE + 4
+LANE = np.arange(32)
+G, T4 = LANE // 4, LANE % 4
+
+
+def tiles(n):
+    return (n + TILE - 1) // TILE
+
+
+def stage_chunk(b, w, rows, cols, row0, col0, k0, width, smem_b, smem_w):
+    """Pieces and stage_chunk: B's rows of the block and W's rows k0.. into one buffer."""
+    tid = np.arange(THREADS)
+    r, k = tid // (CHUNK // 2), 2 * (tid % (CHUNK // 2))
+    for n in range(TILE * CHUNK // 2 // THREADS):
+        step = THREADS // (CHUNK // 2)
+        for t in tid:
+            valid = k[t] < rows - k0 and n * step < rows - row0 - r[t]
+            to = r[t] * PITCH_B + k[t] + n * step * PITCH_B
+            smem_b[to:to + 2] = b[row0 + r[t] + n * step, k0 + k[t]:k0 + k[t] + 2] if valid else 0
+    w_row, c = tid // (TILE // width), width * (tid % (TILE // width))
+    step = THREADS // (TILE // width)
+    for n in range(CHUNK * TILE // width // THREADS):
+        for t in tid:
+            valid = col0 + c[t] < cols and n * step < rows - k0 - w_row[t]
+            to = w_row[t] * PITCH_W + c[t] + n * step * PITCH_W
+            row = k0 + w_row[t] + n * step
+            smem_w[to:to + width] = w[row, col0 + c[t]:col0 + c[t] + width] if valid else 0
+
+
+def mma(d, a, b):
+    """d[e][lane] += the 16 x 8 by 8 x 8 product of the fragments a[v][lane], b[v][lane]."""
+    am, bm, dm = np.zeros((16, 8)), np.zeros((8, 8)), np.zeros((16, 8))
+    for v in range(4):
+        am[G + 8 * (v % 2), T4 + 4 * (v // 2)] = a[v]
+        dm[G + 8 * (v // 2), 2 * T4 + v % 2] = d[v]
+    for v in range(2):
+        bm[T4 + 4 * v, G] = b[v]
+    dm = dm + am @ bm
+    for e in range(4):
+        d[e] = dm[G + 8 * (e // 2), 2 * T4 + e % 2]
+
+
+def block(b, w, rows, cols, row_tile, col_tile, width):
+    """One block's 64 column sums (before mirror), and its DMMA count."""
+    row0, col0 = TILE * row_tile, TILE * col_tile
+    chunks = (rows - row0 + CHUNK - 1) // CHUNK
+    smem_b = np.full((2, TILE * PITCH_B), np.nan)
+    smem_w = np.full((2, CHUNK * PITCH_W), np.nan)
+    acc = np.zeros((4, 2, 4, 4, 32))  # [warp][m][n][e][lane]
+    warps = [(warp // 2, WARP_TILE * (warp // 2), WARP_TILE * (warp % 2)) for warp in range(4)]
+    active = [row0 + wr < rows and col0 + wc < cols for _, wr, wc in warps]
+    dmma = 0
+    stage_chunk(b, w, rows, cols, row0, col0, row0 + (chunks - 1) * CHUNK, width, smem_b[0], smem_w[0])
+    for t in range(chunks - 1, -1, -1):
+        buf = (chunks - 1 - t) & 1
+        if t > 0:
+            stage_chunk(b, w, rows, cols, row0, col0, row0 + (t - 1) * CHUNK, width, smem_b[buf ^ 1], smem_w[buf ^ 1])
+        if t == TILE // CHUNK - 1:
+            acc *= 2
+        for warp, (_, wr, wc) in enumerate(warps):
+            if not active[warp]:
+                continue
+            bs = (wr + G) * PITCH_B + T4
+            ws = T4 * PITCH_W + wc + G
+            for k in range(0, CHUNK, MMA_K):
+                af = [[smem_b[buf][bs + (16 * m + 8 * (v % 2)) * PITCH_B + k + 4 * (v // 2)] for v in range(4)]
+                      for m in range(2)]
+                bf = [[smem_w[buf][ws + (k + 4 * v) * PITCH_W + 8 * n] for v in range(2)] for n in range(4)]
+                for m in range(2):
+                    for n in range(4):
+                        mma(acc[warp, m, n], af[m], bf[n])
+                        dmma += 1
+    column_sums = np.full((2, TILE), np.nan)
+    for warp, (half, _, wc) in enumerate(warps):
+        sums = np.zeros((4, 2, 32))
+        if active[warp]:
+            wv = G * PITCH_W + wc + 2 * T4
+            buf = (chunks - 1 - half) & 1
+            for m in range(2):
+                for h in range(2):
+                    for n in range(4):
+                        at = wv + (16 * m + 8 * h) * PITCH_W + 8 * n
+                        sums[n, 0] += acc[warp, m, n, 2 * h] * smem_w[buf][at]
+                        sums[n, 1] += acc[warp, m, n, 2 * h + 1] * smem_w[buf][at + 1]
+        for s in (4, 8, 16):
+            sums = sums + sums[:, :, LANE ^ s]
+        for lane in range(4):  # g == 0
+            for n in range(4):
+                for j in range(2):
+                    column_sums[half, wc + 8 * n + 2 * lane + j] = sums[n, j, lane]
+    return column_sums[0] + column_sums[1], dmma
+
+
+def kernel(b, w, mirror):
+    """quad_forms_mma_cuda: b [bins, G, R, R], w [bins, G, R, C] -> partial [bins row_tiles, G, C]."""
+    bins, groups, rows, cols = w.shape
+    row_tiles, col_tiles = tiles(rows), tiles(cols)
+    width = 2 if cols % 2 == 0 else 1
+    partial = np.full((bins * row_tiles, groups, cols), np.nan)
+    written = np.zeros(partial.shape, int)
+    dmma = 0
+    for x in range(bins * groups * row_tiles * col_tiles):
+        col_tile, row_tile, pair = x % col_tiles, x // col_tiles % row_tiles, x // col_tiles // row_tiles
+        bin_, group = pair // groups, pair % groups
+        sums, count = block(b[bin_, group], w[bin_, group], rows, cols, row_tile, col_tile, width)
+        dmma += count
+        for c in range(TILE):
+            if TILE * col_tile + c < cols:
+                at = (bin_ * row_tiles + row_tile, group, TILE * col_tile + c)
+                partial[at] = mirror[bin_ % len(mirror)] * sums[c]
+                written[at] += 1
+    assert (written == 1).all()
+    return partial, dmma
+
+
+def random_blocks(rng, bins, groups, cig):
+    """R^ in real blocks [[Re, -Im], [Im, Re]] of Hermitian matrices: symmetric."""
+    z = rng.standard_normal((bins, groups, cig, cig)) + 1j * rng.standard_normal((bins, groups, cig, cig))
+    h = z + np.conj(np.swapaxes(z, -1, -2))
+    return np.block([[h.real, -h.imag], [h.imag, h.real]])
+
+
+def check(rng, grid, groups, cig, cols, chunk):
+    mw = grid[2]
+    bins = grid[0] * grid[1] * grid[2]
+    b = random_blocks(rng, bins, groups, cig)
+    w = rng.standard_normal((bins, groups, 2 * cig, cols))
+    mirror = rng.uniform(0.5, 2.0, mw)
+    direct = np.einsum("g,gakc,gakc->ac", mirror[np.arange(bins) % mw], w, b @ w)
+    got = np.empty_like(direct)
+    for c0 in range(0, cols, chunk):  # phase_energies' chunks of columns, a call each
+        partial, _ = kernel(b, np.ascontiguousarray(w[..., c0:c0 + chunk]), mirror)
+        assert not np.isnan(partial).any()
+        got[:, c0:c0 + chunk] = partial.sum(0)
+    err = np.abs(got - direct).max() / np.abs(direct).max()
+    print(f"R {2 * cig:4d}, C {cols:4d} in chunks of {chunk:4d}, groups {groups}, bins {bins}: rel. error {err:.1e}")
+    assert err < 1e-12, err
+
+
+def seed_floor():
+    """The seed problem's call: 405 bins, R = C = 128, at 67 TFLOP/s of float64 MMAs."""
+    bins, rows, cols = 405, 128, 128
+    per_block = {}
+    for row_tile in range(tiles(rows)):
+        chunks = (rows - TILE * row_tile + CHUNK - 1) // CHUNK
+        per_block[row_tile] = 4 * chunks * (CHUNK // MMA_K) * 8  # four warps, all active here
+    dmma = bins * tiles(cols) * sum(per_block.values())
+    flops = dmma * 16 * 8 * 8 * 2
+    gemm = bins * rows * rows * cols * 2
+    print(f"seed: {dmma} DMMAs ({per_block} per block by row tile), {flops / 1e9:.3f} GFLOP "
+          f"({flops / gemm:.2f} of the GEMM's), {flops / 67e12 * 1e6:.1f} us at 67 TFLOP/s")
+
+
+rng = np.random.default_rng(7)
+for cig, cols, groups, grid, chunk in [
+        (64, 128, 1, (3, 1, 2), 128), (64, 37, 3, (1, 2, 2), 37), (64, 200, 1, (1, 1, 2), 80),
+        (5, 128, 3, (3, 1, 2), 50), (5, 37, 1, (3, 3, 2), 37), (5, 200, 3, (1, 1, 2), 200),
+        (36, 128, 3, (1, 1, 2), 128), (36, 37, 1, (3, 1, 2), 20), (36, 200, 1, (1, 3, 2), 200)]:
+    check(rng, grid, groups, cig, cols, chunk)
+seed_floor()
+print("every partial sum written once, none read from shared memory never staged")
