@@ -28,8 +28,11 @@ namespace {
 // few blocks to fill the GPU. The seed problem's 128 output channels take 53 MB of spectra:
 // in one chunk its contraction took 54 us less GPU time than in two of at most 32 MiB (two
 // GEMMs and one quad_form launch fewer, larger GEMMs; docs/performance.md, 2026-12-01 01:34 UTC).
+// The rows' 64 MiB: the seed call's W and H stages in two chunks of 10 depth frequencies took
+// 266.7 us against 282.0 in three of 7, 7 and 6 (48 MiB), at 244.9 MiB of peak memory against
+// 239.3 (docs/performance.md, 2026-12-01 09:33 UTC).
 constexpr int64_t kMinChunkBytes = int64_t(8) << 20;
-constexpr int64_t kMaxRowsBytes = int64_t(48) << 20;
+constexpr int64_t kMaxRowsBytes = int64_t(64) << 20;
 constexpr int64_t kMaxWeightBytes = int64_t(64) << 20;
 // The H stage's output kept for one D stage over every depth frequency, where it is at most
 // this large (seed: 59 MB) and no larger than x's spectrum: per chunk, the D stage read and
@@ -149,7 +152,8 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1), columns = mw * entries;
   const int64_t fd_bytes = grid[1] * columns * x_spec.element_size();
   const int64_t most = std::clamp<int64_t>(chunk_budget(x_spec, 1, kMaxRowsBytes) / fd_bytes, 1, grid[0]);
-  // Balanced chunks, no small last one (seed: 7, 7 and 6 depth frequencies, not 8, 8 and 4):
+  // Balanced chunks, no small last one (a 48 MiB budget gave the seed 7, 7 and 6 depth
+  // frequencies, not 8, 8 and 4):
   // the same GPU time, 8 MiB less peak memory (docs/performance.md, 22:48-22:54 UTC runs).
   const int64_t chunks = (grid[0] + most - 1) / most, chunk = (grid[0] + chunks - 1) / chunks;
   const at::TensorOptions lag_options = coef_h.options().dtype(at::kComplexDouble);  // the stages' outputs
