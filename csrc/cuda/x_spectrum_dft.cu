@@ -35,10 +35,11 @@ constexpr int kMaxPlanes = 8;  // channels per plane_dft block: 64 bytes of t pe
 constexpr int kRowTile = 2;    // W stage: rows per thread
 constexpr int kBinTiles[] = {3, 4, 5};  // W stage: bins per thread, chosen per problem (w_bin_tile)
 constexpr int kFreqTile = 3;   // H stage: frequencies x bins per thread
-// Bytes of t per launch pair: the slice of the batch whose t stays mostly in L2 (50 MB).
-// Fewer, larger launches lose less to their last partial wave than depth_dft loses to L2
-// misses: seed plane_dft + depth_dft per call, 166.4 us with 17 MiB (3 samples a slice), 158.1
-// with 24 (4), 152.5 with 34 (6), 150.8 with 46 (8; docs/performance.md, 2026-12-01 09:33 UTC).
+// Bytes of t per launch pair: the slice of the batch whose t stays mostly in L2. Fewer,
+// larger launches lose less to their last partial wave than depth_dft loses reading a larger
+// t: seed plane_dft + depth_dft per call, 166.4 us with 17 MiB (3 samples a slice), 158.1 with
+// 24 (4), 152.5 with 34 (6), 150.8 with 46 (8, as with 48; docs/performance.md, 2026-12-01
+// 09:33 UTC).
 constexpr int64_t kSliceBytes = int64_t(48) << 20;
 
 // Loads in flight per thread where a kernel reads x, t or its tables: a block that loaded
