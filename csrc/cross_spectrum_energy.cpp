@@ -153,8 +153,8 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   const int64_t fd_bytes = grid[1] * columns * x_spec.element_size();
   const int64_t most = std::clamp<int64_t>(chunk_budget(x_spec, 1, kMaxRowsBytes) / fd_bytes, 1, grid[0]);
   // Balanced chunks, no small last one (a 48 MiB budget gave the seed 7, 7 and 6 depth
-  // frequencies, not 8, 8 and 4):
-  // the same GPU time, 8 MiB less peak memory (docs/performance.md, 22:48-22:54 UTC runs).
+  // frequencies, not 8, 8 and 4): the same GPU time, 8 MiB less peak memory
+  // (docs/performance.md, 22:48-22:54 UTC runs).
   const int64_t chunks = (grid[0] + most - 1) / most, chunk = (grid[0] + chunks - 1) / chunks;
   const at::TensorOptions lag_options = coef_h.options().dtype(at::kComplexDouble);  // the stages' outputs
   const bool deferred =
