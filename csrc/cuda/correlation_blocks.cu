@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/kernels.h"
+#include "cuda/pdl.cuh"
 #include "cuda/spectrum_common.cuh"
 #include "message.h"
 
@@ -31,6 +32,7 @@ struct BlocksArgs {
 };
 
 __global__ void __launch_bounds__(kThreads, 2) correlation_blocks_kernel(BlocksArgs a) {
+  pdl_chain_start();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t entries = a.groups * a.cig * a.cig;
   if (t >= a.md * a.mh * a.chunks * entries) return;
@@ -112,8 +114,8 @@ at::Tensor correlation_blocks_cuda(const at::Tensor& z_hat, const at::Tensor& ph
   a.phases = reinterpret_cast<const double2*>(phases.data_ptr());
   a.out = out.data_ptr<double>();
   if (threads > 0) {
-    correlation_blocks_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_overlapping(correlation_blocks_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
+                       at::cuda::getCurrentCUDAStream(), a);
   }
   return out;
 }

@@ -12,6 +12,7 @@
 #include <algorithm>
 
 #include "cuda/kernels.h"
+#include "cuda/pdl.cuh"
 #include "message.h"
 
 namespace fused_ops {
@@ -45,6 +46,7 @@ constexpr int kFreqTile = 64;  // coefficients staged per pass: kFreqTile x kLag
 template <typename C, int kLags>
 __global__ void __launch_bounds__(kThreads, 3) lag_stage_kernel(StageArgs a) {
   __shared__ double coef[kFreqTile][kLags];
+  pdl_chain_start();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const bool active = t < a.outer * a.cols;  // every thread takes part in the staging
   const int64_t outer = active ? t / a.cols : 0, col = active ? t % a.cols : 0;
@@ -98,13 +100,12 @@ void launch_stage(const StageArgs& a) {
   const auto stream = at::cuda::getCurrentCUDAStream();
   // The smallest register budget that holds the launch's lags.
   if (a.lags <= 3) {
-    lag_stage_kernel<C, 3><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+    launch_overlapping(lag_stage_kernel<C, 3>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream, a);
   } else if (a.lags <= 5) {
-    lag_stage_kernel<C, 5><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+    launch_overlapping(lag_stage_kernel<C, 5>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream, a);
   } else {
-    lag_stage_kernel<C, kMaxLags><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+    launch_overlapping(lag_stage_kernel<C, kMaxLags>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream, a);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace

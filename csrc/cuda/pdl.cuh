@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <utility>
 
 namespace fused_ops {
@@ -29,19 +30,36 @@ __device__ __forceinline__ void pdl_wait() {
 }
 
 template <typename... KernelArgs, typename... Args>
-void launch_overlapping(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
+void launch_overlapping(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                         Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  config.numAttrs = at::cuda::getCurrentDeviceProperties()->major >= 9 && !std::getenv("FUSED_OPS_NO_PDL") ? 1 : 0;  // EXPERIMENT
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+template <typename... KernelArgs, typename... Args>
+void launch_overlapping(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream,
+                        Args&&... args) {
+  launch_overlapping(kernel, grid, block, size_t{0}, stream, std::forward<Args>(args)...);
+}
+
+// The training path's chain of kernels (x's spectrum, the lag stages, the contraction): each
+// is launched with launch_overlapping and begins with pdl_chain_start, before it touches
+// global memory, so the next kernel's launch and block scheduling overlap this one's last
+// blocks instead of following them. Nothing is read or written before the wait, so the
+// kernel before may be any kernel (its own predecessors complete when it does), and memory
+// the caching allocator hands back between the launches is never touched early.
+__device__ __forceinline__ void pdl_chain_start() {
+  pdl_launch_dependents();
+  pdl_wait();
 }
 
 }  // namespace fused_ops

@@ -22,6 +22,7 @@
 
 #include "cuda/dynamic_smem.h"
 #include "cuda/kernels.h"
+#include "cuda/pdl.cuh"
 #include "cuda/spectrum_common.cuh"
 #include "message.h"
 #include "table_cache.h"
@@ -406,6 +407,7 @@ template <typename T, int kRadix, int kBinTile>
 __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 3 : 1) plane_dft_kernel(PlaneArgs a) {
   using C = typename ComplexOf<T>::type;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
+  pdl_chain_start();
   const int64_t groups = (a.ci + a.planes_per_block - 1) / a.planes_per_block;
   const int64_t unit = blockIdx.x;
   const int64_t group = unit % groups, d = (unit / groups) % a.d, b = unit / (groups * a.d);
@@ -529,6 +531,7 @@ template <typename T, int kRadix, int kTile>
 __global__ void __launch_bounds__(kThreads) depth_dft_kernel(DepthArgs a) {
   using C = typename ComplexOf<T>::type;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
+  pdl_chain_start();
   C* table = reinterpret_cast<C*>(smem_bytes);  // [cols][rows_pad], then the twiddles [kRadix - 1][rows_pad]
   copy_to_shared(table, static_cast<const C*>(a.table) + a.d_off, (a.cols + kRadix - 1) * a.rows_pad);
   __syncthreads();
@@ -588,8 +591,8 @@ void launch_plane(int64_t radix, const PlaneArgs& args, int64_t blocks, int64_t 
                 : radix == 2 ? plane_dft_kernel<T, 2, kBinTile>
                              : plane_dft_kernel<T, 1, kBinTile>;
   allow_dynamic_smem(kernel, smem);
-  kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_overlapping(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), static_cast<size_t>(smem), stream,
+                     args);
 }
 
 template <typename T>
@@ -607,8 +610,8 @@ void launch_depth_tile(const DepthArgs& args, int64_t blocks, int64_t smem, cuda
   if constexpr (kTile * kRadix <= kMaxDepthSums) {
     auto kernel = depth_dft_kernel<T, kRadix, kTile>;
     allow_dynamic_smem(kernel, smem);
-    kernel<<<static_cast<unsigned>(blocks), kThreads, static_cast<size_t>(smem), stream>>>(args);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_overlapping(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), static_cast<size_t>(smem), stream,
+                       args);
   } else {
     TORCH_INTERNAL_ASSERT(false, "depth_dft: no tile of ", kTile, " rows at radix ", kRadix, " (make_plan)");
   }
