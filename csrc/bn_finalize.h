@@ -34,28 +34,48 @@ struct FinalizeArgs {
   }
 };
 
+// This participant's share (elements first, first + step, ... of its R S) of channel c's
+// within-sample energies, where the batch's statistics are computed (else 0). Four loads in
+// flight per round and no division where S is 1: summed one dependent load at a time with a
+// 64-bit division each, the seed problem's 810 rows per channel (the fused contraction's partial
+// sums) came with a CUDA finalize of 10.0 us against 7.1 with one row (docs/performance.md,
+// 2026-12-01). The CUDA kernel takes its share first, before the sample sums.
+template <typename scalar_t>
+FO_HD double energy_part(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t first, int64_t step) {
+  if (!a.batch_stats || a.stats_in) return 0.0;
+  const int64_t n = a.energy_rows * a.splits;
+  auto value = [&](int64_t i) {
+    return a.splits == 1 ? a.energy[i * a.channels + c]
+                         : a.energy[((i / a.splits) * a.channels + c) * a.splits + i % a.splits];
+  };
+  double q[4] = {0, 0, 0, 0};
+  int64_t i = first;
+  for (; i + 3 * step < n; i += 4 * step) {
+    for (int u = 0; u < 4; ++u) q[u] += value(i + u * step);
+  }
+  for (; i < n; i += step) q[0] += value(i);
+  return (q[0] + q[1]) + (q[2] + q[3]);
+}
+
 // Count, mean and centred sum of squares of one channel's conv output (bias
-// excluded) over the batch (docs/math.md §3): the within-sample energies plus
-// the spread of the sample means, never raw sums of squares that cancel.
+// excluded) over the batch (docs/math.md §3): the within-sample energies (`energy`, this
+// participant's energy_part) plus the spread of the sample means, never raw sums of squares
+// that cancel.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
 template <typename scalar_t, typename SampleSum, typename BlockSum>
-FO_HD void batch_channel_stats(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t first,
-                               int64_t step, SampleSum sample_sum, BlockSum block_sum,
-                               double stats[3]) {
+FO_HD void batch_channel_stats(const FinalizeArgs<scalar_t>& a, int64_t first, int64_t step, double energy,
+                               SampleSum sample_sum, BlockSum block_sum, double stats[3]) {
   const double n_sp = static_cast<double>(a.spatial);
   stats[0] = static_cast<double>(a.batch) * n_sp;
   double s = 0;
   for (int64_t b = first; b < a.batch; b += step) s += sample_sum(b);
   stats[1] = block_sum(s) / stats[0];
-  double q = 0;
+  double q = energy;
   for (int64_t b = first; b < a.batch; b += step) {
     const double d = sample_sum(b) / n_sp - stats[1];
     q += n_sp * d * d;
-  }
-  for (int64_t i = first; i < a.energy_rows * a.splits; i += step) {
-    q += a.energy[((i / a.splits) * a.channels + c) * a.splits + i % a.splits];
   }
   stats[2] = block_sum(q);
 }
@@ -105,7 +125,7 @@ FO_HD void write_pooled(const FinalizeArgs<scalar_t>& a, const ChannelNorm& n, i
 }
 
 // Finalizes channel c (docs/math.md §4). Work over the batch is split as
-// b = first, first + step, ...; `sample_sum(b)` gives the conv sum of sample b
+// b = first, first + step, ...; `energy` is this participant's energy_part; `sample_sum(b)` gives the conv sum of sample b
 // (the CUDA kernel precomputes them cooperatively); `block_sum` must return the
 // sum of its argument over all participants of the split (identity on the CPU, a
 // block reduction on CUDA) and is called the same number of times by each.
@@ -114,7 +134,7 @@ FO_HD void write_pooled(const FinalizeArgs<scalar_t>& a, const ChannelNorm& n, i
 #endif
 template <typename scalar_t, typename SampleSum, typename BlockSum>
 FO_HD void finalize_channel(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t first, int64_t step,
-                            SampleSum sample_sum, BlockSum block_sum) {
+                            double energy, SampleSum sample_sum, BlockSum block_sum) {
   if (!a.batch_stats) {
     const ChannelNorm n = eval_channel_norm(a, c);
     for (int64_t b = first; b < a.batch; b += step) write_pooled(a, n, b, c, sample_sum(b));
@@ -124,7 +144,7 @@ FO_HD void finalize_channel(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t 
   if (a.stats_in) {
     for (int k = 0; k < 3; ++k) stats[k] = a.stats_in[k * a.channels + c];
   } else {
-    batch_channel_stats(a, c, first, step, sample_sum, block_sum, stats);
+    batch_channel_stats(a, first, step, energy, sample_sum, block_sum, stats);
   }
   if (a.stats_out) {
     for (int64_t b = first; b < a.batch; b += step) {

@@ -146,7 +146,8 @@ void finalize_cpu(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& o
     at::parallel_for(0, g.out_channels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
         finalize_channel(
-            args, c, /*first=*/0, /*step=*/1, [&](int64_t b) { return args.sample_sum(b, c); },
+            args, c, /*first=*/0, /*step=*/1, energy_part(args, c, 0, 1),
+            [&](int64_t b) { return args.sample_sum(b, c); },
             [](double v) { return v; });
       }
     });

@@ -29,6 +29,7 @@ __global__ void __launch_bounds__(kThreads)
     bn_finalize_kernel(const FinalizeArgs<scalar_t> a, double* __restrict__ sample_sums) {
   const int64_t c = blockIdx.x;
   pdl_wait();  // everything the kernels before wrote is visible from here on
+  const double energy = energy_part(a, c, threadIdx.x, kThreads);
   double* sums = sample_sums + c * a.batch;
   using WarpReduce = cub::WarpReduce<double>;
   __shared__ typename WarpReduce::TempStorage warp_tmp[kWarps];
@@ -55,7 +56,7 @@ __global__ void __launch_bounds__(kThreads)
     return result;
   };
   finalize_channel(
-      a, c, threadIdx.x, kThreads, [&](int64_t b) { return sums[b]; }, block_sum);
+      a, c, threadIdx.x, kThreads, energy, [&](int64_t b) { return sums[b]; }, block_sum);
 }
 
 }  // namespace
