@@ -104,6 +104,7 @@ at::Tensor tap_dft(const Lags& lags, int d, const at::TensorOptions& opts) {
 // What the path needs of the geometry alone, on the device (table_cache.h).
 struct Tables {
   at::Tensor coef_w, coef_h, coef_d;  // the W, H and D stages' coefficients (correlation_spectrum)
+  at::Tensor coef_w_float;            // coef_w as complex64, for float32 spectra: a copy kernel per call less
   at::Tensor blocks;                  // correlation_blocks' phases, [ρw + 1, ρw + 1]
   at::Tensor mirror;                  // phase_energies' mirror counts over |M|, [ρw + 1]
   at::Tensor dft[3];                  // tap_dft of each dim
@@ -116,6 +117,7 @@ Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::Te
   const double size = static_cast<double>(grid[0] * grid[1] * grid[2]);
   Tables t;
   t.coef_w = w_stage_coefficients(grid[2], lags, opts);
+  t.coef_w_float = t.coef_w.to(at::kComplexFloat);
   t.coef_h = lag_spectrum_phases(grid[1], lags.step[1], lags.reach[1], opts);
   t.coef_d = lag_spectrum_phases(grid[0], lags.step[0], lags.reach[0], opts).div_(size);  // R's 1 / |L|
   t.blocks = block_phases(lags.reach[2], opts);
@@ -159,7 +161,7 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   const at::TensorOptions lag_options = coef_h.options().dtype(at::kComplexDouble);  // the stages' outputs
   const bool deferred =
       keep_h_stage_output(chunks, grid[0] * mh * columns * c10::elementSize(at::kComplexDouble), x_spec);
-  const at::Tensor coef_w_x = coef_w.to(x_spec.scalar_type());  // once, not per chunk
+  const at::Tensor coef_w_x = x_spec.scalar_type() == at::kComplexFloat ? tables.coef_w_float : coef_w;
   const at::Tensor p_all = deferred ? at::empty({grid[0], mh, columns}, lag_options) : at::Tensor();
   at::Tensor r = deferred ? at::empty({1, md, mh * columns}, lag_options)
                           : at::zeros({1, md, mh * columns}, lag_options);
