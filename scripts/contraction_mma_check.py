@@ -3,17 +3,21 @@ blocks (bin, group, row tile, column tile), the pieces each thread stages per ch
 zeros past R and C; shared memory never staged is NaN, so reading it shows), the chunks from
 the last down to the block's own rows with the sums doubled before the diagonal tile,
 mma.m16n8k8's fragment layouts (mma_f64.cuh), the epilogue's weights from the last two chunks
-staged, the shuffles over lane/4 and the two halves' sum. Checked against the direct formula
+staged, the shuffles over lane/4 and the two halves' sum, and the grid's order (pair-major,
+then the last pairs' blocks, two waves' worth, by row tile). Checked against the direct formula
 sum_g mirror[g_w] W^T (B W) on random R^ (Hermitian, in real blocks) for several R = 2 Cig, C,
-groups and chunks of columns (phase_energies' calls), and each partial sum written once.
-Last, the DMMAs of the seed problem's call and the time they take at the H200's float64
-tensor rate.
+groups, chunks of columns (phase_energies' calls) and wave sizes (no tail, part, all), and each
+partial sum written once. Last, the DMMAs of the seed problem's call and the time they take at
+the H200's float64 tensor rate, and the grid's makespan with blocks started in index order.
 
     python scripts/contraction_mma_check.py
 """
+import heapq
+
 import numpy as np
 
 TILE, CHUNK, WARP_TILE, THREADS, MMA_K = 64, 32, 32, 128, 8
+H200_WAVE = 132 * 3  # SMs times blocks per SM (kBlocksPerSm)
 PITCH_B, PITCH_W = CHUNK + 4, TILE + 4
 LANE = np.arange(32)
 G, T4 = LANE // 4, LANE % 4
@@ -21,6 +25,23 @@ G, T4 = LANE // 4, LANE % 4
 
 def tiles(n):
     return (n + TILE - 1) // TILE
+
+
+def grid_order(pairs, row_tiles, col_tiles, wave):
+    """quad_forms_mma_cuda's tail_pairs and head_blocks, and Item: block x's (pair, row tile, col tile)."""
+    per_pair = row_tiles * col_tiles
+    tail_pairs = min(pairs, (2 * wave + per_pair - 1) // per_pair)
+    head_blocks = (pairs - tail_pairs) * per_pair
+    order = []
+    for x in range(pairs * per_pair):
+        if x < head_blocks:
+            order.append((x // col_tiles // row_tiles, x // col_tiles % row_tiles, x % col_tiles))
+        else:
+            y, per_row_tile = x - head_blocks, tail_pairs * col_tiles
+            order.append((pairs - tail_pairs + y % per_row_tile // col_tiles, y // per_row_tile,
+                          y % per_row_tile % col_tiles))
+    assert sorted(order) == [(p, r, c) for p in range(pairs) for r in range(row_tiles) for c in range(col_tiles)]
+    return order
 
 
 def stage_chunk(b, w, rows, cols, row0, col0, k0, width, smem_b, smem_w):
@@ -107,7 +128,7 @@ def block(b, w, rows, cols, row_tile, col_tile, width):
     return column_sums[0] + column_sums[1], dmma
 
 
-def kernel(b, w, mirror):
+def kernel(b, w, mirror, wave):
     """quad_forms_mma_cuda: b [bins, G, R, R], w [bins, G, R, C] -> partial [bins row_tiles, G, C]."""
     bins, groups, rows, cols = w.shape
     row_tiles, col_tiles = tiles(rows), tiles(cols)
@@ -115,8 +136,7 @@ def kernel(b, w, mirror):
     partial = np.full((bins * row_tiles, groups, cols), np.nan)
     written = np.zeros(partial.shape, int)
     dmma = 0
-    for x in range(bins * groups * row_tiles * col_tiles):
-        col_tile, row_tile, pair = x % col_tiles, x // col_tiles % row_tiles, x // col_tiles // row_tiles
+    for pair, row_tile, col_tile in grid_order(bins * groups, row_tiles, col_tiles, wave):
         bin_, group = pair // groups, pair % groups
         sums, count = block(b[bin_, group], w[bin_, group], rows, cols, row_tile, col_tile, width)
         dmma += count
@@ -136,7 +156,7 @@ def random_blocks(rng, bins, groups, cig):
     return np.block([[h.real, -h.imag], [h.imag, h.real]])
 
 
-def check(rng, grid, groups, cig, cols, chunk):
+def check(rng, grid, groups, cig, cols, chunk, wave):
     mw = grid[2]
     bins = grid[0] * grid[1] * grid[2]
     b = random_blocks(rng, bins, groups, cig)
@@ -145,11 +165,12 @@ def check(rng, grid, groups, cig, cols, chunk):
     direct = np.einsum("g,gakc,gakc->ac", mirror[np.arange(bins) % mw], w, b @ w)
     got = np.empty_like(direct)
     for c0 in range(0, cols, chunk):  # phase_energies' chunks of columns, a call each
-        partial, _ = kernel(b, np.ascontiguousarray(w[..., c0:c0 + chunk]), mirror)
+        partial, _ = kernel(b, np.ascontiguousarray(w[..., c0:c0 + chunk]), mirror, wave)
         assert not np.isnan(partial).any()
         got[:, c0:c0 + chunk] = partial.sum(0)
     err = np.abs(got - direct).max() / np.abs(direct).max()
-    print(f"R {2 * cig:4d}, C {cols:4d} in chunks of {chunk:4d}, groups {groups}, bins {bins}: rel. error {err:.1e}")
+    print(f"R {2 * cig:4d}, C {cols:4d} in chunks of {chunk:4d}, groups {groups}, bins {bins}, wave {wave:3d}: "
+          f"rel. error {err:.1e}")
     assert err < 1e-12, err
 
 
@@ -167,11 +188,32 @@ def seed_floor():
           f"({flops / gemm:.2f} of the GEMM's), {flops / 67e12 * 1e6:.1f} us at 67 TFLOP/s")
 
 
+def seed_makespan(overhead=1.0):
+    """The seed call's grid started in index order on the H200's 396 slots (a block starts where
+    one ends), a block taking its chunks plus `overhead` chunks (first copy, epilogue): pair
+    order against this one, as a multiple of the work spread evenly."""
+    pairs, row_tiles, col_tiles = 405, 2, 2
+
+    def makespan(order):
+        ends = [0.0] * H200_WAVE
+        for _, row_tile, _ in order:
+            heapq.heappush(ends, heapq.heappop(ends) + (128 - TILE * row_tile) // CHUNK + overhead)
+        return max(ends)
+
+    pair_major = [(p, r, c) for p in range(pairs) for r in range(row_tiles) for c in range(col_tiles)]
+    even = sum((128 - TILE * r) // CHUNK + overhead for _, r, _ in pair_major) / H200_WAVE
+    print(f"seed grid (overhead {overhead} chunk): pair order {makespan(pair_major) / even:.3f}, "
+          f"this order {makespan(grid_order(pairs, row_tiles, col_tiles, H200_WAVE)) / even:.3f} of the even spread")
+
+
 rng = np.random.default_rng(7)
-for cig, cols, groups, grid, chunk in [
+for (cig, cols, groups, grid, chunk), wave in zip([
         (64, 128, 1, (3, 1, 2), 128), (64, 37, 3, (1, 2, 2), 37), (64, 200, 1, (1, 1, 2), 80),
         (5, 128, 3, (3, 1, 2), 50), (5, 37, 1, (3, 3, 2), 37), (5, 200, 3, (1, 1, 2), 200),
-        (36, 128, 3, (1, 1, 2), 128), (36, 37, 1, (3, 1, 2), 20), (36, 200, 1, (1, 3, 2), 200)]:
-    check(rng, grid, groups, cig, cols, chunk)
+        (36, 128, 3, (1, 1, 2), 128), (36, 37, 1, (3, 1, 2), 20), (36, 200, 1, (1, 3, 2), 200)],
+        [H200_WAVE, 5, 1, 4, 2, H200_WAVE, 3, 6, 1]):
+    check(rng, grid, groups, cig, cols, chunk, wave)
 seed_floor()
+for overhead in (0.5, 1.0, 2.0):
+    seed_makespan(overhead)
 print("every partial sum written once, none read from shared memory never staged")
