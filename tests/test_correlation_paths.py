@@ -218,7 +218,13 @@ W_STAGE_PROBLEMS = [p for p in PROBLEMS if p.in_channels >= 16 or p.batch >= 10]
     # cross_spectrum_mma.cu's paired blocks (BlockPlan): 48 channels (one pair of row blocks,
     # 0 and 2) and 128 (two pairs, 1 and 3, 5 and 7).
     Problem(3, 48, 5, (3, 4, 5), (2, 3, 3)),
-    Problem(2, 128, 4, (3, 3, 4), (2, 2, 3))]
+    Problem(2, 128, 4, (3, 3, 4), (2, 2, 3)),
+    # and its stores (16 bytes per two entries of a row, the diagonal's i = j + 1 alone): groups
+    # of 2 channels (one partial tile; 2 W lags: the 2-lag kernel) and 6, and 10 channels (a
+    # pair of row blocks with one idle side).
+    Problem(2, 12, 6, (3, 4, 5), (2, 3, 2), conv_kwargs=dict(groups=6)),
+    Problem(3, 12, 4, (3, 4, 5), (3, 2, 3), scale=-1.5, conv_kwargs=dict(groups=2)),
+    Problem(3, 10, 5, (3, 4, 5), (2, 3, 3))]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -13,7 +13,9 @@
 // stage, per step of 16 samples of one fw, the 16 row channels and the 32 column channels
 // they read (32 and 16 for two blocks p), as float64 real and imaginary planes. An entry above the diagonal writes Q at (i, j) and at (j, i) from the four real
 // sums of cross_spectrum.cu's kMirror tiles; one on it writes once; one below writes
-// nothing (the task holding its transpose writes it).
+// nothing (the task holding its transpose writes it). A thread's two adjacent entries of a
+// row, (i, j) and (i, j + 1), go out as one 16-byte store, so Q's rows are written in whole
+// sectors.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -126,6 +128,14 @@ __device__ __forceinline__ void add_step(const double* xs, int col, int samples,
   if (samples > kMmaK) add_samples<kMmaK>(xs, col, re, im);
 }
 
+// (lo, hi) at `at` and at + 1 (16-byte aligned) as one 16-byte store. In PTX because nvcc
+// 13.0 split the float4 assignment in the kernel's epilogue into two 8-byte stores, and
+// __stwb's st.global.wb became a strong store in SASS (STG.E.128.STRONG.SM), not the plain one.
+__device__ __forceinline__ void store_pair(float2* at, float2 lo, float2 hi) {
+  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at), "f"(lo.x), "f"(lo.y), "f"(hi.x), "f"(hi.y)
+               : "memory");
+}
+
 struct Smem {
   double x[2][2][kSamples][kPitch];  // [buffer][real, imaginary][sample][staged channel]
   float2 coef[2][kMaxLags];          // [fw parity][lag]: 0 past the launch's lags
@@ -232,18 +242,32 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
     for (int e = 0; e < 4; ++e) re[e] = im[e] = 0;
   }
   if (!active) return;
+  // The stores, by pairs of entries: e = 2h and 2h + 1 are row i's adjacent columns j and
+  // j + 1 (j even), so (i, j) and (i, j + 1) are one 16-byte store and a quad's four lanes
+  // write row i's 64 bytes of the tile, two whole sectors (an 8-byte store per entry wrote
+  // half of each of four: 20.5 bytes per sector over the seed launch, ncu and
+  // scripts/w_stage_store_check.py; 30.1 now, the rest in the diagonal tiles). The mirrored
+  // (j, i) and (j + 1, i) stay 8-byte stores: the eight lanes g of one t4 hold eight
+  // consecutive i, two whole sectors already. Cig is even (cross_spectrum_mma_supported):
+  // j < Cig covers j + 1, and (i, j)'s offset is even, 16-byte aligned.
   const int64_t entries = static_cast<int64_t>(gridDim.z) * a.cig * a.cig;
   float2* out = a.q + (row * a.lags_total + a.lag0) * entries + group * a.cig * a.cig;
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int64_t i = i0 + g + (e >= 2 ? 8 : 0), j = int64_t(kTileCols) * q + 2 * t4 + (e & 1);
-    if (i > j || j >= a.cig) continue;
+  for (int h = 0; h < 2; ++h) {
+    const int64_t i = i0 + g + 8 * h, j = int64_t(kTileCols) * q + 2 * t4;
+    if (i > j + 1 || j >= a.cig) continue;  // both entries below the diagonal, or past the channels
+    float2 *at = out + i * a.cig + j, *mirrored = out + j * a.cig + i;  // (i, j) and (j, i) at lag 0
 #pragma unroll
-    for (int m = 0; m < kLags; ++m) {
+    for (int m = 0; m < kLags; ++m, at += entries, mirrored += entries) {
       if (m >= a.lags) break;
-      const float2 s = acc[e][m], t = mir[e][m];
-      out[m * entries + i * a.cig + j] = float2{s.x - t.x, s.y + t.y};
-      if (i < j) out[m * entries + j * a.cig + i] = float2{s.x + t.x, t.y - s.y};
+      const float2 s0 = acc[2 * h][m], t0 = mir[2 * h][m], s1 = acc[2 * h + 1][m], t1 = mir[2 * h + 1][m];
+      if (i <= j) {
+        store_pair(at, float2{s0.x - t0.x, s0.y + t0.y}, float2{s1.x - t1.x, s1.y + t1.y});
+        if (i < j) *mirrored = float2{s0.x + t0.x, t0.y - s0.y};
+        mirrored[a.cig] = float2{s1.x + t1.x, t1.y - s1.y};  // (j + 1, i)
+      } else {
+        at[1] = float2{s1.x - t1.x, s1.y + t1.y};  // i = j + 1: (i, j + 1) on the diagonal, (i, j) below it
+      }
     }
   }
 }
@@ -288,6 +312,9 @@ void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t
   a.x = static_cast<const float2*>(x_spec.data_ptr());
   a.coef = static_cast<const float2*>(coef.data_ptr());
   a.q = static_cast<float2*>(q.data_ptr());
+  // The kernel stores two entries of Q at a time, 16 bytes (q: at::empty, cross_spectrum.cu).
+  TORCH_CHECK(q.is_contiguous() && reinterpret_cast<std::uintptr_t>(a.q) % 16 == 0,
+              "ct_bn_pool: the cross-spectrum path's W stage needs a contiguous, 16-byte aligned output");
   a.fd0 = fd0;
   a.lh = x_spec.size(1);
   a.lwf = x_spec.size(2);
