@@ -34,18 +34,17 @@ __device__ __forceinline__ double2 widen(const C& v) {
   return double2{static_cast<double>(v.x), static_cast<double>(v.y)};
 }
 
-// Q's loads are issued kAhead<C> frequencies before their use (64 bytes in flight per thread)
+// Q's loads are issued kAhead<C> frequencies before their use (32 bytes in flight per thread)
 // and the coefficients are read from shared memory: with one load of Q in flight per thread,
 // and the coefficients loaded beside it, the seed problem's H stage spent 67% of its stalls
-// waiting on them with DRAM at 11% of peak (ncu, docs/performance.md); with 32 bytes and three
-// blocks per SM, DRAM was at 43% (ncu, 2026-12-01). The coefficients are real, so each product
-// is two DFMAs.
+// waiting on them with DRAM at 11% of peak (ncu, docs/performance.md). The coefficients are
+// real, so each product is two DFMAs.
 template <typename C>
-constexpr int kAhead = 64 / sizeof(C);
+constexpr int kAhead = 32 / sizeof(C);
 constexpr int kFreqTile = 64;  // coefficients staged per pass: kFreqTile x kLags
 
 template <typename C, int kLags>
-__global__ void __launch_bounds__(kThreads, 2) lag_stage_kernel(StageArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) lag_stage_kernel(StageArgs a) {
   __shared__ double coef[kFreqTile][kLags];
   pdl_chain_start();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
