@@ -21,8 +21,7 @@ namespace fused_ops {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kBinChunk = 5;  // g_w bins per thread (k'w = 5: all)
-constexpr int kLagBatch = 3;  // lags m_w whose loads are in flight together
+constexpr int kBinChunk = 8;  // g_w bins per thread
 
 struct BlocksArgs {
   const double2* z;       // [Md, Mh, Mwh, G, Cig, Cig]
@@ -31,7 +30,7 @@ struct BlocksArgs {
   int64_t md, mh, mwh, groups, cig, chunks;
 };
 
-__global__ void __launch_bounds__(kThreads, 2) correlation_blocks_kernel(BlocksArgs a) {
+__global__ void __launch_bounds__(kThreads) correlation_blocks_kernel(BlocksArgs a) {
   pdl_chain_start();
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t entries = a.groups * a.cig * a.cig;
@@ -46,33 +45,18 @@ __global__ void __launch_bounds__(kThreads, 2) correlation_blocks_kernel(BlocksA
   double2 acc[kBinChunk];
 #pragma unroll
   for (int k = 0; k < kBinChunk; ++k) acc[k] = double2{0, 0};
-  // The entries of kLagBatch lags are loaded before any is used: one lag at a time, each
-  // thread waited on L2 for every lag (28% of the stall samples on one add, ncu 2026-12-01).
-  for (int64_t mw0 = 0; mw0 < a.mwh; mw0 += kLagBatch) {
-    double2 z[kLagBatch][4];  // Z^(g) at (i, j), Z^(-g) at (i, j), Z^(g) at (j, i), Z^(-g) at (j, i)
+  for (int64_t mw = 0; mw < a.mwh; ++mw) {
+    // u at (i, j) and conj(u) at (j, i), u = Z^(g) + conj(Z^(-g)).
+    const double2 zij = at(gdh, mw, ij), nij = at(neg, mw, ij), zji = at(gdh, mw, ji), nji = at(neg, mw, ji);
+    const double2 u{zij.x + nij.x, zij.y - nij.y}, v{zji.x + nji.x, nji.y - zji.y};
 #pragma unroll
-    for (int l = 0; l < kLagBatch; ++l) {
-      if (mw0 + l >= a.mwh) break;
-      z[l][0] = at(gdh, mw0 + l, ij);
-      z[l][1] = at(neg, mw0 + l, ij);
-      z[l][2] = at(gdh, mw0 + l, ji);
-      z[l][3] = at(neg, mw0 + l, ji);
-    }
-#pragma unroll
-    for (int l = 0; l < kLagBatch; ++l) {
-      const int64_t mw = mw0 + l;
-      if (mw >= a.mwh) break;
-      // u at (i, j) and conj(u) at (j, i), u = Z^(g) + conj(Z^(-g)).
-      const double2 u{z[l][0].x + z[l][1].x, z[l][0].y - z[l][1].y}, v{z[l][2].x + z[l][3].x, z[l][3].y - z[l][2].y};
-#pragma unroll
-      for (int k = 0; k < kBinChunk; ++k) {
-        const int64_t gw = gw0 + k;
-        if (gw >= a.mwh) break;
-        const double2 p = a.phases[gw * a.mwh + mw];
-        const double2 pu = cmul(p, u), pv = cmul(double2{p.x, -p.y}, v);
-        acc[k].x += pu.x + pv.x;
-        acc[k].y += pu.y + pv.y;
-      }
+    for (int k = 0; k < kBinChunk; ++k) {
+      const int64_t gw = gw0 + k;
+      if (gw >= a.mwh) break;
+      const double2 p = a.phases[gw * a.mwh + mw];
+      const double2 pu = cmul(p, u), pv = cmul(double2{p.x, -p.y}, v);
+      acc[k].x += pu.x + pv.x;
+      acc[k].y += pu.y + pv.y;
     }
   }
   const int64_t side = 2 * a.cig;
