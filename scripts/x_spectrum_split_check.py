@@ -1,6 +1,7 @@
 """A numpy model of csrc/cuda/x_spectrum_dft.cu's arithmetic (its tables as build_tables
 lays them out, the W stage's split by 2 of a real row, the H stage's split by a radix of 4,
-2 or 1 with split_outputs' butterflies,
+2 or 1 with split_outputs' butterflies, its flat indexing of the plane spectrum, the transposed
+H table and t,
 the D stage's radix 2), checked against numpy's rfftn on small shapes, including H not a
 multiple of the radix. It checks the index algebra of the kernels' tables, not the kernels:
 only the CUDA tests on a GPU do that.
@@ -79,7 +80,62 @@ def spectrum(x, grid):
     return out
 
 
+def spec_offset(radix, h, fw, lwf):
+    """plane_dft's plane spectrum layout: the H stage's radix inputs h = R g + c adjacent."""
+    return (h // radix * lwf + fw) * radix + h % radix
+
+
+def h_stage_flat(plane, lh, ci, freq_tile=3):
+    """plane_dft's H stage on flat buffers as the kernel indexes them: the plane spectrum at
+    spec_offset, the H table transposed [cols, rows] then its twiddles, then whatever follows
+    in shared memory (read for rows past the last, never stored), and t's entries at
+    out + i t_freq + k t_bin + m t_split. Returns t [lh, lwf] of one channel of ci."""
+    h, lwf = plane.shape
+    radix, rows, cols = axis(lh, h, 4)
+    spec = np.full(cols * radix * lwf + 2, np.nan, complex)
+    for hh in range(cols * radix):
+        for fw in range(lwf):
+            spec[spec_offset(radix, hh, fw, lwf)] = plane[hh, fw] if hh < h else 0
+    table = np.concatenate([dft_matrix(lh, rows, radix, cols).T.reshape(-1),
+                            dft_matrix(lh, radix, 1, rows)[1:].reshape(-1), np.full(3, np.nan)])
+    twiddles = table[rows * cols:]
+    half = (lwf + 1) // 2
+    t_freq, t_bin = lwf * ci, half * ci
+    t_split = rows * t_freq
+    t = np.full(lh * lwf * ci, np.nan, complex)
+    plane_ci = ci - 1  # the channel's place in t
+    for j0 in range(0, rows, freq_tile):
+        for fw_a in range(half):
+            fw_b = min(fw_a + half, lwf - 1)
+            z = np.zeros((2, freq_tile, radix), complex)
+            for col in range(cols):
+                for k, fw in enumerate((fw_a, fw_b)):
+                    base = col * radix * lwf + fw * radix
+                    v = spec[base:base + radix]
+                    f = table[col * rows + j0:col * rows + j0 + freq_tile]
+                    with np.errstate(invalid="ignore"):
+                        z[k] += f[:, None] * v[None, :]
+            out = j0 * t_freq + fw_a * ci + plane_ci
+            for i in range(freq_tile):
+                if j0 + i >= rows:
+                    continue
+                for k in range(2):
+                    if k == 1 and fw_a + half >= lwf:
+                        continue
+                    y = split_outputs(radix, list(z[k, i]), twiddles, rows, j0 + i)
+                    for m in range(radix):
+                        t[out + i * t_freq + k * t_bin + m * t_split] = y[m]
+    return t.reshape(lh, lwf, ci)[:, :, plane_ci]
+
+
 rng = np.random.default_rng(1)
+for h, lh, lwf in [(32, 36, 19), (7, 8, 4), (9, 12, 5), (5, 9, 7), (6, 10, 6), (3, 4, 3), (1, 4, 2), (13, 16, 9)]:
+    plane = rng.standard_normal((h, lwf)) + 1j * rng.standard_normal((h, lwf))
+    ref = np.fft.fft(plane, n=lh, axis=0)
+    err = np.abs(h_stage_flat(plane, lh, ci=3) - ref).max()
+    print("H stage, flat buffers", (h, lh, lwf), f"max error {err:.1e}")
+    assert err < 1e-9
+
 for shape, grid in [((4, 7, 6), (6, 8, 8)), ((5, 9, 13), (6, 12, 16)), ((3, 5, 4), (5, 9, 7)),
                     ((2, 6, 5), (4, 10, 9)), ((3, 3, 3), (4, 4, 5)), ((2, 1, 3), (3, 4, 4)),
                     ((16, 32, 32), (20, 36, 36)), ((2, 3, 7), (3, 4, 12)), ((2, 3, 6), (3, 4, 6)),

@@ -5,7 +5,8 @@
 // first D, H, W inputs of a padded axis is the same sum) and the transposes fall out
 // of the launches' layouts. Two launches per slice of the batch:
 //   plane_dft:  one block per (b, d, 8 channels): the (h, w) plane's real DFT over W,
-//               then over H, written as t [n, D, Lh, Lwf, Ci];
+//               then over H (the W spectrum in shared memory with each H sum's inputs
+//               adjacent: spec_offset), written as t [n, D, Lh, Lwf, Ci];
 //   depth_dft:  one thread per (b, fh, fw, ci): the DFT over D, written into the
 //               spectrum's [Ld, Lh, Lwf, B, Ci].
 // t is a slice of the batch small enough to stay in L2 between the two. Where an axis's
@@ -168,16 +169,18 @@ at::Tensor axis_twiddles(const AxisDft& axis, const at::TensorOptions& opts) {
   return dft_matrix(axis.grid, axis.radix, 1, axis.rows(), opts).narrow(0, 1, axis.radix - 1).reshape(-1);
 }
 
-// The matrix of `axis` [rows, cols] with its twiddles appended, flat.
+// The matrix of `axis` transposed, [cols, rows], with its twiddles appended, flat: the H
+// stage's kFreqTile rows of one column are adjacent.
 at::Tensor axis_table(const AxisDft& axis, const at::TensorOptions& opts) {
-  std::vector<at::Tensor> parts = {dft_matrix(axis.grid, axis.rows(), axis.radix, axis.columns(), opts).reshape(-1)};
+  std::vector<at::Tensor> parts = {
+      dft_matrix(axis.grid, axis.rows(), axis.radix, axis.columns(), opts).t().reshape(-1)};
   if (axis.radix > 1) parts.push_back(axis_twiddles(axis, opts));
   return at::cat(parts);
 }
 
 // Sizes of one problem's transforms and where their tables sit in one flat tensor
 // of x's complex dtype: W [cols, bins] then its twiddles (bins padded to whole tiles), H
-// [rows, cols] then its twiddles, D [cols, rows] then its twiddles [R - 1, rows] (D's rows
+// [cols, rows] then its twiddles, D [cols, rows] then its twiddles [R - 1, rows] (D's rows
 // padded to whole passes of depth_dft).
 struct Plan {
   int64_t d, h, w, ld, lh, lw, lwf;
@@ -277,6 +280,10 @@ struct PlaneArgs {
   int64_t ci, planes_per_block;
   int d, h, w, lh, lwf, h_rows_pad, h_rows, h_cols, slice_stride;
   int w_radix, w_cols, w_bins, w_bins_pad;
+  // t's steps, in entries, from frequency fh to fh + 1, fh to fh + Lh / R (the H stage's
+  // radix R) and bin fw to fw + ceil(Lwf / 2): kernel parameters, so that the H stage's
+  // stores take them from constant memory rather than registers.
+  int64_t t_freq, t_split, t_bin;
   bool vector_loads;  // rows of x are whole 16-byte pieces, 16-byte aligned
   bool rows_in_spec;  // x's rows in the plane spectrum's memory (PlaneSmem)
   double* plane_sums;  // the slice's [n, Ci, D] of x_spectrum's plane sums, or null
@@ -307,7 +314,7 @@ int64_t plane_slice_stride(int64_t rows, int64_t lwf) {
 
 PlaneSmem plane_smem(const Plan& p, int64_t planes) {
   PlaneSmem s;
-  s.tables = p.d_off;  // W's and H's
+  s.tables = p.d_off + p.d_off % 2;  // W's and H's, then an entry to align the plane spectrum to 16 bytes
   s.planes = planes * plane_slice_stride(p.h_rows_pad, p.lwf);
   s.x_rows = planes * p.h * (p.w + 1);
   s.rows_in_spec = w_stage_items(p, planes) <= kThreads;
@@ -338,13 +345,21 @@ __device__ __forceinline__ void split_outputs(C (&z)[kRadix], const C* twiddles,
   }
 }
 
+// Where the plane spectrum's value (h, fw) lies in its plane's rows: the H stage's radix R
+// inputs h = R g + c adjacent, [g][fw][c], so that a thread's R values of one sum are one
+// or two 16-byte loads at one address (H stage).
+template <int kHRadix>
+__device__ __forceinline__ int spec_offset(int h, int fw, int lwf) {
+  return (h / kHRadix * lwf + fw) * kHRadix + h % kHRadix;
+}
+
 // The W stage: spec[plane][h][fw] = sum_w x[plane][h][w] exp(-2 pi i fw w / Lw), kRowTile
 // rows (strided by the tile count, so a warp's rows are adjacent) x kBinTile bins per thread;
 // `table`: Plan's W table. Split (kRadix 2, Lw = 2 L2), the sums E over the even w and O over
 // the odd ones are DFTs on L2 of real values, so E(L2 - k) = conj E(k), and likewise O; with
 // t = exp(-2 pi i / Lw), t^(L2 - k) = -conj t^k, so the w_bins = L2 / 2 + 1 sums k give both
 // X(k) = E + t^k O and X(L2 - k) = conj(E - t^k O): about half the direct multiply-adds.
-template <int kRadix, int kBinTile, typename T, typename C>
+template <int kRadix, int kHRadix, int kBinTile, typename T, typename C>
 __device__ __forceinline__ void w_stage(const PlaneArgs& a, const T* rows, int row_pitch, int row_count,
                                         const C* table, C* spec) {
   const int row_tiles = (row_count + kRowTile - 1) / kRowTile, items = row_tiles * (a.w_bins_pad / kBinTile);
@@ -384,17 +399,17 @@ __device__ __forceinline__ void w_stage(const PlaneArgs& a, const T* rows, int r
     for (int i = 0; i < kRowTile; ++i) {
       const int r = tr + i * row_tiles;
       if (r >= row_count) continue;
-      C* out = spec + (r / a.h) * a.slice_stride + (r % a.h) * a.lwf;
+      C* out = spec + (r / a.h) * a.slice_stride + spec_offset<kHRadix>(r % a.h, 0, a.lwf);
 #pragma unroll
       for (int j = 0; j < kBinTile; ++j) {
         const int k = k0 + j;
         if (k >= a.w_bins) continue;
         if constexpr (kRadix == 1) {
-          out[k] = acc[i][0][j];
+          out[k * kHRadix] = acc[i][0][j];
         } else {
           const C e = acc[i][0][j], o = cmul(twiddles[j], acc[i][1][j]);
-          out[k] = C{e.x + o.x, e.y + o.y};
-          if (2 * k != a.lwf - 1) out[a.lwf - 1 - k] = C{e.x - o.x, o.y - e.y};  // L2 even: k = L2 / 2 once
+          out[k * kHRadix] = C{e.x + o.x, e.y + o.y};
+          if (2 * k != a.lwf - 1) out[(a.lwf - 1 - k) * kHRadix] = C{e.x - o.x, o.y - e.y};  // L2 even: k = L2 / 2 once
         }
       }
     }
@@ -408,23 +423,27 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 3 : 1) plane_dft_ke
   using C = typename ComplexOf<T>::type;
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   pdl_chain_start();
-  const int64_t groups = (a.ci + a.planes_per_block - 1) / a.planes_per_block;
-  const int64_t unit = blockIdx.x;
-  const int64_t group = unit % groups, d = (unit / groups) % a.d, b = unit / (groups * a.d);
-  const int64_t ci0 = group * a.planes_per_block;
+  // The block's (b, d, group of channels), fewer than 2^31 (x_spectrum_dft_cuda): 32-bit
+  // divisions, and fewer registers held through the stages than 64-bit values.
+  const int groups = static_cast<int>((a.ci + a.planes_per_block - 1) / a.planes_per_block);
+  const int unit = blockIdx.x, group = unit % groups, bd = unit / groups;  // bd = b D + d
+  const int d = bd % a.d, b = bd / a.d;
+  const int64_t ci0 = int64_t(group) * a.planes_per_block;
   const int planes = static_cast<int>(a.ci - ci0 < a.planes_per_block ? a.ci - ci0 : a.planes_per_block);
   // The W and H tables, adjacent in Plan::tables, staged together. Read through L1 instead,
   // plane_dft took 221 us per seed call against 159 (docs/performance.md).
   const int w_table_n = (a.w_cols + a.w_radix - 1) * a.w_bins_pad, h_table_n = a.h_rows * (a.h_cols + kRadix - 1);
   C* w_table = reinterpret_cast<C*>(smem_bytes);
   C* h_table = w_table + w_table_n;
-  C* spec = h_table + h_table_n;  // [planes][slice_stride]: the plane's DFT over W, [h, fw]
+  // [planes][slice_stride]: the plane's DFT over W, (h, fw) at spec_offset; 16-byte aligned
+  // (PlaneSmem::tables)
+  C* spec = h_table + (w_table_n + h_table_n) % 2 + h_table_n;
   copy_to_shared(w_table, static_cast<const C*>(a.table), w_table_n + h_table_n);
   // [planes * H][W + 1]
   T* rows = reinterpret_cast<T*>(a.rows_in_spec ? spec : spec + a.planes_per_block * a.slice_stride);
   const int row_pitch = a.w + 1;  // odd: a warp's rows fall in distinct banks
 
-  const T* x = static_cast<const T*>(a.x) + ((b * a.ci + ci0) * a.d + d) * a.h * a.w;
+  const T* x = static_cast<const T*>(a.x) + ((b * a.ci + ci0) * a.d + d) * (a.h * a.w);
   const int64_t plane_stride = int64_t(a.d) * a.h * a.w;
   using V = typename ComplexOf<T>::vec16;
   __shared__ double plane_red[kThreads / 32][kMaxPlanes];
@@ -447,30 +466,37 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 3 : 1) plane_dft_ke
   if (a.plane_sums != nullptr) write_plane_sums(plane_red, planes, a.plane_sums + (b * a.ci + ci0) * a.d + d, a.d);
 
   if (a.w_radix == 2) {
-    w_stage<2, kBinTile>(a, rows, row_pitch, planes * a.h, w_table, spec);
+    w_stage<2, kRadix, kBinTile>(a, rows, row_pitch, planes * a.h, w_table, spec);
   } else {
-    w_stage<1, kBinTile>(a, rows, row_pitch, planes * a.h, w_table, spec);
+    w_stage<1, kRadix, kBinTile>(a, rows, row_pitch, planes * a.h, w_table, spec);
   }
   // H not a multiple of the radix: zero rows, the last sums' missing inputs (after the W
   // stage: they may lie over x's rows).
   const int pad_values = (a.h_rows_pad - a.h) * a.lwf;
   for (int i = threadIdx.x; i < planes * pad_values; i += kThreads) {
-    spec[(i / pad_values) * a.slice_stride + a.h * a.lwf + i % pad_values] = C{0, 0};
+    const int e = i % pad_values;
+    spec[(i / pad_values) * a.slice_stride + spec_offset<kRadix>(a.h + e / a.lwf, e % a.lwf, a.lwf)] = C{0, 0};
   }
   __syncthreads();
 
   // H stage: kFreqTile frequencies (rows of the H table) x 2 bins per thread, the
   // channel fastest among threads, so that a warp's stores to t are whole 32-byte pieces.
+  // Addresses as pointers stepped by block-wide strides, computed once: indexed per load
+  // and store, their 64-bit products took most of the stage's instructions (SASS of
+  // <float, 4, 5>: 700 per thread for 24 stores).
   const int half = (a.lwf + 1) / 2, columns = planes * half;
   const int freq_tiles = (a.h_rows + kFreqTile - 1) / kFreqTile;
-  C* t_out = static_cast<C*>(a.t);
+  const int group_step = kRadix * a.lwf;  // spec's step per column of the H table (kRadix rows h)
+  const C* const twiddles = h_table + a.h_rows * a.h_cols;
   for (int t = threadIdx.x; t < columns * freq_tiles; t += kThreads) {
     const int column = t % columns, j0 = (t / columns) * kFreqTile;
     const int plane = column % planes, fw_a = column / planes, fw_b = min(fw_a + half, a.lwf - 1);
-    const C* in = spec + plane * a.slice_stride;
-    const C* f_row[kFreqTile];
-#pragma unroll
-    for (int i = 0; i < kFreqTile; ++i) f_row[i] = h_table + min(j0 + i, a.h_rows - 1) * a.h_cols;
+    const C* in_a = spec + plane * a.slice_stride + fw_a * kRadix;
+    const C* in_b = in_a + (fw_b - fw_a) * kRadix;
+    // The H table's rows j0 .. j0 + kFreqTile - 1 of each column; those past the last row read
+    // the next column's, or the twiddles, the alignment entry or the plane spectrum after the
+    // last (PlaneSmem): sums that are never stored.
+    const C* f_col = h_table + j0;
     C z[2][kFreqTile][kRadix];  // [bin][frequency][sum]
 #pragma unroll
     for (int i = 0; i < kFreqTile; ++i)
@@ -478,38 +504,36 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 3 : 1) plane_dft_ke
       for (int c = 0; c < kRadix; ++c) z[0][i][c] = z[1][i][c] = C{0, 0};
     for (int col = 0; col < a.h_cols; ++col) {
       C v[2][kRadix];
-#pragma unroll
-      for (int c = 0; c < kRadix; ++c) {
-        const C* in_row = in + (col * kRadix + c) * a.lwf;
-        v[0][c] = in_row[fw_a];
-        v[1][c] = in_row[fw_b];
-      }
+      load_bins(in_a, v[0]);
+      load_bins(in_b, v[1]);
+      in_a += group_step;
+      in_b += group_step;
 #pragma unroll
       for (int i = 0; i < kFreqTile; ++i) {
-        const C f = f_row[i][col];
+        const C f = f_col[i];
 #pragma unroll
         for (int c = 0; c < kRadix; ++c) {
           add_product(z[0][i][c], f, v[0][c]);
           add_product(z[1][i][c], f, v[1][c]);
         }
       }
+      f_col += a.h_rows;
     }
-    const int64_t base = ((b * a.d + d) * a.lh) * a.lwf;
-    const C* twiddles = h_table + a.h_rows * a.h_cols;
+    // t[b, d, j0, fw_a, ci0 + plane]
+    C* const out = static_cast<C*>(a.t) + (bd * (a.lh * a.t_freq) + ci0 + j0 * a.t_freq + fw_a * a.ci + plane);
 #pragma unroll
     for (int i = 0; i < kFreqTile; ++i) {
       const int j = j0 + i;
       if (j >= a.h_rows) continue;
+      C* const out_j = out + i * a.t_freq;
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
-        const int fw = k == 0 ? fw_a : fw_a + half;
-        if (fw >= a.lwf) continue;
-        C out[kRadix];
-        split_outputs<kRadix>(z[k][i], twiddles, a.h_rows, j, out);
+        if (k == 1 && fw_a + half >= a.lwf) continue;
+        C* const out_jk = k == 0 ? out_j : out_j + a.t_bin;
+        C y[kRadix];
+        split_outputs<kRadix>(z[k][i], twiddles, a.h_rows, j, y);
 #pragma unroll
-        for (int m = 0; m < kRadix; ++m) {
-          t_out[(base + int64_t(j + m * a.h_rows) * a.lwf + fw) * a.ci + ci0 + plane] = out[m];
-        }
+        for (int m = 0; m < kRadix; ++m) out_jk[m * a.t_split] = y[m];
       }
     }
   }
@@ -660,6 +684,9 @@ PlaneArgs plane_args(const Plan& p, const at::Tensor& tables, const at::Tensor& 
   a.h_rows_pad = static_cast<int>(p.h_rows_pad);
   a.h_rows = static_cast<int>(p.axis_h.rows()), a.h_cols = static_cast<int>(p.axis_h.columns());
   a.slice_stride = static_cast<int>(plane_slice_stride(p.h_rows_pad, p.lwf));
+  a.t_freq = p.lwf * ci;
+  a.t_split = p.axis_h.rows() * a.t_freq;
+  a.t_bin = (p.lwf + 1) / 2 * ci;
   a.rows_in_spec = plane_smem(p, planes).rows_in_spec;
   return a;
 }
