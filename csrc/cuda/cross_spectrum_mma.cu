@@ -25,6 +25,7 @@
 
 #include "cuda/kernels.h"
 #include "cuda/mma_f64.cuh"
+#include "cuda/pdl.cuh"
 #include "message.h"
 
 namespace fused_ops {
@@ -151,6 +152,7 @@ static_assert(kSamples * kStaged % (2 * kThreads) == 0, "a step's pieces split e
 template <int kLags, bool kLag0Real>
 __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs a) {
   __shared__ __align__(16) Smem st;
+  pdl_chain_start();
   const int64_t row = blockIdx.x / a.blocks_per_row;  // (fd - fd0) Lh + fh
   const BlockPlan plan = locate(static_cast<int>(blockIdx.x % a.blocks_per_row), a.tiles_q);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
@@ -276,9 +278,9 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
 template <int kLags>
 void launch(const MmaArgs& a, dim3 grid, cudaStream_t stream) {
   if (a.lag0 == 0) {
-    cross_spectrum_mma_kernel<kLags, true><<<grid, kThreads, 0, stream>>>(a);
+    launch_overlapping(cross_spectrum_mma_kernel<kLags, true>, grid, dim3(kThreads), stream, a);
   } else {
-    cross_spectrum_mma_kernel<kLags, false><<<grid, kThreads, 0, stream>>>(a);
+    launch_overlapping(cross_spectrum_mma_kernel<kLags, false>, grid, dim3(kThreads), stream, a);
   }
 }
 

@@ -30,6 +30,7 @@
 #include "cuda/dynamic_smem.h"
 #include "cuda/kernels.h"
 #include "cuda/mma_f64.cuh"
+#include "cuda/pdl.cuh"
 
 namespace fused_ops {
 namespace {
@@ -196,6 +197,7 @@ __device__ __forceinline__ void weigh_rows(const double (&acc)[kRowBlocks][kColT
 template <int kWidth>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) quad_form_mma_kernel(FormArgs a) {
   extern __shared__ __align__(16) unsigned char smem[];
+  pdl_chain_start();
   Stage& st = *reinterpret_cast<Stage*>(smem);
   const Item item(a, static_cast<int>(blockIdx.x));
   const int col_tile = item.col_tile, row_tile = item.row_tile, pair = item.pair;  // pair: bin G + group
@@ -256,8 +258,8 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) quad_form_mma_kernel(F
 template <int kWidth>
 void launch(const FormArgs& a, int64_t blocks, cudaStream_t stream) {
   allow_dynamic_smem(quad_form_mma_kernel<kWidth>, kSmemBytes);
-  quad_form_mma_kernel<kWidth><<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_overlapping(quad_form_mma_kernel<kWidth>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
+                     static_cast<size_t>(kSmemBytes), stream, a);
 }
 
 int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
