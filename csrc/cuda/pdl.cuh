@@ -50,14 +50,14 @@ void launch_overlapping(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cu
   launch_overlapping(kernel, grid, block, size_t{0}, stream, std::forward<Args>(args)...);
 }
 
-// The training path's chain of kernels (x's spectrum, the W, H and D stages, correlation_blocks, the
-// fused contraction): each
-// is launched with launch_overlapping and begins with pdl_chain_start, before it touches
-// global memory, so the next kernel's launch and block scheduling overlap this one's last
-// blocks instead of following them (seed training call, events: 0.588 ms against 0.599 without
-// the attribute, docs/performance.md, 2026-12-01). Nothing is read or written before the wait, so the
-// kernel before may be any kernel (its own predecessors complete when it does), and memory
-// the caching allocator hands back between the launches is never touched early.
+// The training path's chain of kernels (x's spectrum, the W, H and D stages, correlation_blocks,
+// the fused contraction): each is launched with launch_overlapping and begins with
+// pdl_chain_start, before it touches global memory, so the next kernel's launch and block
+// scheduling overlap this one's last blocks instead of following them (seed training call,
+// events: 0.588 ms against 0.599 without the attribute on the first four of them,
+// docs/performance.md, 2026-12-01). Nothing is read or written before the wait, so the kernel
+// before may be any kernel (its own predecessors complete when it does), and memory the
+// caching allocator hands back between the launches is never touched early.
 __device__ __forceinline__ void pdl_chain_start() {
   pdl_launch_dependents();
   pdl_wait();
