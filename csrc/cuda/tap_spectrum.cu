@@ -13,7 +13,7 @@
 // kernel before: 40 us per seed call) ran 40960 threads of about 2000 dependent float64
 // operations at 14% occupancy, and issued about 6 instructions per multiply-add (64-bit
 // store addresses per bin, table re-reads, staging a k_h at a time); here the seed's 204800
-// threads take about 400 float64 operations each among about 900 instructions (ptxas: 80
+// threads take about 400 float64 operations each among about 1000 instructions (ptxas: 80
 // registers, 5 blocks of 5 warps per SM), and each store instruction writes one bin's
 // values of 32 adjacent columns (256 bytes).
 // The taps come as the float64 stack (StackTaps, read where they lie: adjacent columns'
