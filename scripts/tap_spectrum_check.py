@@ -1,14 +1,23 @@
-"""A numpy model of csrc/cuda/tap_spectrum.cu's index arithmetic (docs/math.md §3.5): one
-"thread" per column and depth bin b_d <= M_d / 2, its plane of depth sums, per b_h the k'w
-values over k_h, and per b_w the four real sums of products that give W(b_d, b_h, b_w) and,
-the taps being real, W(-b_d, -b_h, b_w). Checked against numpy's FFT of the taps zero-padded
-to the grid M = 2k' - 1, in the [bins, G, 2, C] layout the kernel writes. The taps come as
-WeightTaps stages them: a chunk of output channels of a weight [Ci, Co, k'd, k'h, k'w], each
-warp's columns' taps of one k_h by its lanes' turns (staged_taps).
+"""A numpy model of csrc/cuda/tap_spectrum.cu's index arithmetic (docs/math.md §3.5). A block
+takes a tile of 32 columns (a lane each) and one depth bin b_d <= M_d / 2: WeightTaps stages
+the tile's taps in shared memory (a column's values at an odd stride), each warp forms the
+depth sums of its rows k_h of the plane, and then each warp takes a pair of h bins
+(p, M_h - p): the sums over k_h with the real and imaginary parts of row p of the h table
+(A, B), the rows A + iB and A - iB, and per b_w the four real sums of products of each row
+that give W at (b_d, +-p, b_w) and, the taps being real, at (-b_d, -+p, b_w). Stores go
+through two row offsets per thread, stepped by one bin per b_w (the imaginary part
+group_cols further), a row's mirror at the other row's offset plus one shift per b_d.
+Checked against numpy's FFT of the taps zero-padded to the grid M = 2k' - 1, in the
+[bins, G, 2, C] layout the kernel writes, with the taps read as WeightTaps
+reads them (a chunk of output channels of a weight [Ci, Co, k'd, k'h, k'w]: a tile within one
+row of the weight with an odd k'd k'h k'w as one run split among the warps, else a column at a
+time) and as StackTaps does (the float64 stack [k'd, k'h, k'w, C]).
 
     python scripts/tap_spectrum_check.py
 """
 import numpy as np
+
+TILE, MAX_WARPS = 32, 8
 
 
 def dft(size, bins, taps):
@@ -17,60 +26,109 @@ def dft(size, bins, taps):
     return np.exp(-2j * np.pi * turns / size)
 
 
-def kernel_model(taps, groups):
-    kd, kh, kw, cols = taps.shape
-    md, mh, mw = 2 * kd - 1, 2 * kh - 1, 2 * kw - 1
-    bw_count = mw // 2 + 1
-    e_d, e_h, e_w = dft(md, md, kd), dft(mh, mh, kh), dft(mw, bw_count, kw)
+class WeightTaps:
+    """The weight's chunk of output channels c0 .. c0 + n - 1, read in place: column col is
+    (col // n, col % n) of the weight's channel dims, its k'd k'h k'w taps together."""
+
+    def __init__(self, weight, c0, n):
+        self.flat = weight.reshape(-1)
+        ci, co, kd, kh, kw = weight.shape
+        self.values = kd * kh * kw
+        self.row_cols, self.row_stride, self.col_stride = n, co * self.values, self.values
+        self.start = c0 * self.values
+        self.cols = ci * n
+        self.runs = 0  # tiles staged as one run
+
+    def column(self, col):
+        return self.start + col // self.row_cols * self.row_stride + col % self.row_cols * self.col_stride
+
+    def stage(self, col0, warps):
+        """The tile's staged values as the warps copy them: [32 stride], a column's at j stride."""
+        stride = self.values | 1
+        staged = np.full(TILE * stride, np.nan)
+        tile_cols = min(TILE, self.cols - col0)
+        one_run = (stride == self.values and self.col_stride == self.values
+                   and col0 // self.row_cols == (col0 + tile_cols - 1) // self.row_cols)
+        if one_run:  # the tile's values one run, a part per warp, the lanes over it
+            count = tile_cols * self.values
+            part = -(-count // (warps * 32)) * 32
+            first = self.column(col0)
+            for warp in range(warps):
+                for e in range(warp * part, min(count, (warp + 1) * part)):
+                    staged[e] = self.flat[first + e]
+        else:  # each warp a column at a time, the lanes over its values
+            for j in range(tile_cols):
+                src = self.column(col0 + j)
+                for e in range(self.values):
+                    staged[j * stride + e] = self.flat[src + e]
+        self.runs += one_run
+        return lambda lane, e: staged[lane * stride + e]
+
+
+class StackTaps:
+    """The float64 stack [k'd, k'h, k'w, cols], read where it lies: tap e of column col at e cols + col."""
+
+    def __init__(self, stack):
+        self.flat = stack.reshape(-1)
+        self.cols = stack.shape[3]
+
+    def stage(self, col0, warps):
+        return lambda lane, e: self.flat[e * self.cols + col0 + lane]
+
+
+def kernel_model(taps, shape, groups):
+    kd, kh, kw = shape
+    cols = taps.cols
+    md, mh = 2 * kd - 1, 2 * kh - 1
+    e_d, e_h, e_w = dft(md, md, kd), dft(mh, mh, kh), dft(2 * kw - 1, kw, kw)
     group_cols = cols // groups
-    out = np.full((md * mh * bw_count, groups, 2, group_cols), np.nan)
-    flat = taps.reshape(kd, kh * kw, cols)
-
-    def store(bin_, re, im):
-        out[bin_, :, 0, :] = re.reshape(groups, group_cols)
-        out[bin_, :, 1, :] = im.reshape(groups, group_cols)
-
-    for bd in range(kd):  # the depth bins b_d <= M_d / 2
-        plane = np.einsum("k,ktc->tc", e_d[bd], flat)  # [(k_h, k_w), cols]
-        for bh in range(mh):
-            row = np.einsum("h,hwc->wc", e_h[bh], plane.reshape(kh, kw, cols))
-            mirror = ((md - bd) * mh + (mh - bh) % mh) * bw_count
-            for bw in range(bw_count):
-                e = e_w[bw][:, None]  # e = a + ib, row = c + id
-                ac = (e.real * row.real).sum(0)
-                bd_ = (e.imag * row.imag).sum(0)
-                ad = (e.real * row.imag).sum(0)
-                bc = (e.imag * row.real).sum(0)
-                store((bd * mh + bh) * bw_count + bw, ac - bd_, ad + bc)
-                if bd != 0:
-                    store(mirror + bw, ac + bd_, bc - ad)
-    return out
-
-
-def staged_taps(weight, c0, n):
-    """[kd, kh, kw, Ci n]: the taps of output channels c0 .. c0 + n - 1 as WeightTaps's lanes
-    stage them, each (j, e) stepped by 32 and read at its column's offset as the kernel forms it."""
-    ci, co, kd, kh, kw = weight.shape
-    flat, cols = weight.reshape(-1), ci * n
-    values, plane_taps, stride = kd * kw, kh * kw, (kd * kw) | 1
-    # the column's first tap: r row_stride + c col_stride from the chunk's first value
-    start = [c0 * kd * kh * kw + col // n * co * kd * kh * kw + col % n * kd * kh * kw for col in range(cols)]
-    taps = np.full((kd, kh, kw, cols), np.nan)
-    for warp0 in range(0, cols, 32):
-        columns = min(32, cols - warp0)
-        for h in range(kh):
-            rows = np.full(32 * stride, np.nan)
-            for lane in range(32):
-                j, e = lane // values, lane % values
-                for _ in range(values):
-                    if j < columns:
-                        rows[j * stride + e] = flat[start[warp0 + j] + h * kw + e // kw * (plane_taps - kw) + e]
-                    j, e = j + 32 // values, e + 32 % values
-                    if e >= values:
-                        j, e = j + 1, e - values
-            for lane in range(columns):
-                taps[:, h, :, warp0 + lane] = rows[lane * stride:lane * stride + values].reshape(kd, kw)
-    return taps
+    bins = md * mh * kw
+    out = np.full(bins * 2 * cols, np.nan)  # [bins, G, 2, group_cols], flat
+    warps = min(kh, MAX_WARPS)
+    plane_taps = kh * kw
+    bin_stride = 2 * cols
+    for col0 in range(0, cols, TILE):
+        tap = taps.stage(col0, warps)
+        lanes = range(min(TILE, cols - col0))
+        for bd in range(kd):  # blockIdx.y
+            plane = np.full((plane_taps, TILE), np.nan, dtype=complex)
+            for warp in range(warps):  # the depth sums of rows warp, warp + warps, ...
+                for h in range(warp, kh, warps):
+                    for lane in lanes:
+                        for w in range(kw):
+                            plane[h * kw + w, lane] = sum(e_d[bd, d] * tap(lane, d * plane_taps + h * kw + w)
+                                                          for d in range(kd))
+            # (b_d, b_h, 0) at column + bin_stride (b_d M_h + b_h) k'w; (M_d - b_d, b_h, 0) mirror further
+            row_stride = mh * kw * bin_stride
+            mirror = ((md - bd) % md - bd) * row_stride
+            for warp in range(warps):  # the pairs of h bins (p, M_h - p)
+                for p in range(warp, kh, warps):
+                    for lane in lanes:
+                        col = col0 + lane
+                        rows = col + col // group_cols * group_cols + bd * row_stride
+                        q = plane[:, lane].reshape(kh, kw)
+                        if p == 0:  # one row, complex products; its own mirror row
+                            row_sums = [e_h[0] @ q]
+                            bins_ = [rows, rows]
+                        else:
+                            a = e_h[p].real @ q
+                            b = e_h[p].imag @ q
+                            row_sums = [a + 1j * b, a - 1j * b]
+                            bins_ = [rows + p * kw * bin_stride, rows + (mh - p) * kw * bin_stride]
+                        for bw in range(kw):
+                            e = e_w[bw]
+                            for r, row in enumerate(row_sums):
+                                rr = (e.real * row.real).sum()
+                                ii = (e.imag * row.imag).sum()
+                                ri = (e.real * row.imag).sum()
+                                ir = (e.imag * row.real).sum()
+                                at = bins_[r]
+                                out[at], out[at + group_cols] = rr - ii, ri + ir  # e row
+                                if bd != 0:  # e conj(row): the other row's bin, shifted by mirror
+                                    at = bins_[1 - r] + mirror
+                                    out[at], out[at + group_cols] = rr + ii, ir - ri
+                            bins_ = [at_ + bin_stride for at_ in bins_]
+    return out.reshape(bins, groups, 2, group_cols)
 
 
 def reference(taps, groups):
@@ -84,17 +142,24 @@ if __name__ == "__main__":
     rng = np.random.default_rng(0)
     worst = 0.0
     # (weight shape, groups, the chunk's first output channel and count): 65 columns (a last
-    # warp of one column), kd kw = 25, 12, 1 and 16 values per column (a turn of 32 steps j by
-    # 1, 2, 32 and 2), chunks from channel 0 and past it
-    for shape, groups, c0, n in [((13, 5, 5, 5, 5), 1, 0, 5), ((4, 7, 3, 2, 4), 2, 2, 4), ((8, 3, 1, 3, 1), 1, 0, 3),
-                                 ((6, 2, 2, 1, 8), 3, 1, 1)]:
+    # tile of one column); k'd k'h k'w = 125 (odd), 24 and 16 (even: a padded stride), 3 and
+    # 1; k'h of 1, 5 and 10 (two pairs of h bins on warp 0 and 1: more pairs than warps);
+    # chunks from channel 0 and past it (tiles across the weight's rows); tiles within one
+    # row of odd k'd k'h k'w (one run: 2 of the second last weight's 3 tiles, all 6 of the
+    # last's); groups of 1 to 3.
+    cases = [((13, 5, 5, 5, 5), 1, 0, 5), ((4, 7, 3, 2, 4), 2, 2, 4), ((8, 3, 1, 3, 1), 1, 0, 3),
+             ((6, 2, 2, 1, 8), 3, 1, 1), ((3, 24, 1, 10, 1), 3, 0, 24), ((40, 1, 1, 2, 8), 2, 0, 1),
+             ((2, 50, 2, 2, 4), 1, 3, 40), ((2, 40, 3, 3, 3), 1, 0, 40), ((3, 64, 1, 3, 5), 2, 0, 64)]
+    for shape, groups, c0, n in cases:
         weight = rng.standard_normal(shape)
-        taps = staged_taps(weight, c0, n)
-        expected = weight[:, c0:c0 + n].transpose(2, 3, 4, 0, 1).reshape(taps.shape)
-        assert np.array_equal(taps, expected), f"{shape}: staged taps differ from the weight's"
-        model = kernel_model(taps, groups)
-        assert not np.isnan(model).any(), f"{shape}: a bin the model never wrote"
-        error = np.abs(model - reference(taps, groups)).max()
-        print(f"weight {shape}, channels {c0}..{c0 + n - 1}, groups {groups}: largest difference {error:.1e}")
-        worst = max(worst, error)
+        stack = weight[:, c0:c0 + n].transpose(2, 3, 4, 0, 1).reshape(*shape[2:], -1)  # [k'd, k'h, k'w, Ci n]
+        expected = reference(stack, groups)
+        for name, taps in [("WeightTaps", WeightTaps(weight, c0, n)), ("StackTaps", StackTaps(stack))]:
+            model = kernel_model(taps, shape[2:], groups)
+            runs = f", tiles staged as one run: {taps.runs}" if name == "WeightTaps" else ""
+            assert not np.isnan(model).any(), f"{shape} {name}: a bin the model never wrote"
+            error = np.abs(model - expected).max()
+            print(f"weight {shape}, channels {c0}..{c0 + n - 1}, groups {groups}, {name}: "
+                  f"largest difference {error:.1e}{runs}")
+            worst = max(worst, error)
     assert worst < 1e-12, worst

@@ -305,7 +305,7 @@ def tap_spectrum_sources(names):
 @pytest.mark.parametrize("problem, dtype, source", [
     (Problem(3, 6, 5, (3, 4, 5), (2, 3, 4)), torch.float32, "WeightTaps<float>"),
     (Problem(3, 6, 5, (3, 4, 5), (2, 3, 4)), torch.float64, "WeightTaps<double>"),
-    # 144 columns: blocks of 64, 64 and 16 (a warp of 16 columns, one of none)
+    # 144 columns: tiles of 32, the last of 16, across the weight's rows of 12
     (Problem(2, 12, 36, (3, 4, 5), (3, 5, 3), conv_kwargs=dict(groups=3)), torch.float32, "WeightTaps<float>"),
     # 48 output channels in chunks of 20, 20 and 8 (phase_energies' 8 MiB of spectra per chunk)
     (Problem(2, 64, 48, (2, 3, 3), (5, 5, 5)), torch.float32, "WeightTaps<float>"),
@@ -315,9 +315,16 @@ def tap_spectrum_sources(names):
     # phases: phase_stack's float64 gather
     (Problem(2, 4, 12, (3, 4, 5), (3, 5, 3), conv_kwargs=dict(stride=(1, 2, 1), groups=2)), torch.float32,
      "StackTaps"),
-    # 200 k'd x 8 k'w float64 taps staged per k_h: 0.8 MB of shared memory per block, past any GPU's
+    # 200 k'd x 8 k'w float64 taps: 0.4 MB of shared memory per block of 32 columns, past any GPU's
     (Problem(2, 2, 3, (1, 1, 2), (200, 1, 8)), torch.float64, "StackTaps"),
-], ids=["seed-like", "float64", "groups", "chunks", "dilated", "phases", "staging-too-large"])
+    # 27 taps (odd) of 64 output channels: each tile of 32 columns one run of the weight,
+    # staged by the whole block; 40 in float64: a second tile of 8, one run too
+    (Problem(2, 3, 64, (3, 4, 5), (3, 3, 3)), torch.float32, "WeightTaps<float>"),
+    (Problem(2, 1, 40, (3, 4, 5), (3, 3, 3)), torch.float64, "WeightTaps<double>"),
+    # k'h = 10: pairs of h bins and plane rows past the block's 8 warps (warps 0 and 1 take two)
+    (Problem(2, 3, 4, (3, 12, 4), (2, 10, 2)), torch.float32, "WeightTaps<float>"),
+], ids=["seed-like", "float64", "groups", "chunks", "dilated", "phases", "staging-too-large", "one-run",
+        "one-run-partial", "pairs-past-warps"])
 def test_cross_spectrum_tap_spectrum_reads_the_weight(problem, dtype, source):
     """With one phase tap_spectrum.cu reads the taps from the weight itself in its dtype
     (WeightTaps: each warp's columns staged in shared memory), also per chunk of output
