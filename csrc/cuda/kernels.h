@@ -72,7 +72,7 @@ at::Tensor quad_forms_cuda(const at::Tensor& blocks, const at::Tensor& w_hat, co
 bool quad_forms_mma_supported(const at::Tensor& blocks, const at::Tensor& w_hat);
 // Backend::quad_forms with S = bins x tiles of 64 rows: one partial sum per (bin, row tile).
 at::Tensor quad_forms_mma_cuda(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror);
-// Backend::tap_spectrum: tap_spectrum.cu, one thread per column and depth bin b_d <= M_d / 2
+// Backend::tap_spectrum: tap_spectrum.cu, a block per tile of 32 columns and depth bin b_d <= M_d / 2
 // (the taps are real: the other bins are mirrors); tap_spectrum_aten where k'w exceeds 8
 // (its instantiations) or a block's planes of k'h k'w values per thread and tables exceed
 // 48 KiB of shared memory (k'h k'w >= 48). Taps whose columns each hold their k'd k'h k'w

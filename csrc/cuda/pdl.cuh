@@ -51,7 +51,7 @@ void launch_overlapping(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cu
 }
 
 // The training path's chain of kernels (x's spectrum, the W, H and D stages, correlation_blocks,
-// the fused contraction): each is launched with launch_overlapping and begins with
+// tap_spectrum, the fused contraction): each is launched with launch_overlapping and begins with
 // pdl_chain_start, before it touches global memory, so the next kernel's launch and block
 // scheduling overlap this one's last blocks instead of following them (seed training call,
 // events: 0.588 ms against 0.599 without the attribute on the first four of them,

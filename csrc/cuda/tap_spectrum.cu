@@ -29,6 +29,7 @@
 
 #include "cuda/dynamic_smem.h"
 #include "cuda/kernels.h"
+#include "cuda/pdl.cuh"
 #include "cuda/spectrum_common.cuh"
 #include "message.h"
 
@@ -245,6 +246,7 @@ __device__ __forceinline__ void h_and_w_sums(const double2* plane, const double2
 template <int kKw, typename Taps>
 __global__ void __launch_bounds__(kMaxWarps* kWarp) tap_spectrum_kernel(TapArgs<typename Taps::Source> a) {
   extern __shared__ double2 smem[];
+  pdl_chain_start();
   const int kd = a.kd, kh = a.kh, bd = blockIdx.y;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   // the plane [k'h k'w][32], row b_d of dft_d, rows 0 .. k'h - 1 of dft_h (the pairs'),
@@ -289,7 +291,7 @@ template <int kKw, typename Taps>
 void launch(const TapArgs<typename Taps::Source>& a, dim3 grid, dim3 block, int64_t smem, cudaStream_t stream) {
   const auto kernel = tap_spectrum_kernel<kKw, Taps>;
   allow_dynamic_smem(kernel, smem);
-  kernel<<<grid, block, static_cast<size_t>(smem), stream>>>(a);
+  launch_overlapping(kernel, grid, block, static_cast<size_t>(smem), stream, a);
 }
 
 template <typename Taps>
