@@ -60,9 +60,10 @@ def check(cig):
     assert all(v == 1 for v in written.values()), cig
     assert len(written) == cig * cig, (cig, len(written))
     return nb, idle
-old = lambda T: sum((T - 2*p + 3)//4 for p in range(T) if 2*p < T)
-for cig in range(2, 260, 2):
-    nb, idle = check(cig)
-    T = (cig + 7)//8
-    if cig in (16, 34, 40, 64, 72, 128, 256): print(f"cig {cig}: T {T}, blocks/row {nb} (before {old(T)}), idle warps {idle}")
-print("every entry written once, every fragment on its channels")
+if __name__ == "__main__":  # scripts/w_stage_store_check.py imports the plan
+    old = lambda T: sum((T - 2*p + 3)//4 for p in range(T) if 2*p < T)
+    for cig in range(2, 260, 2):
+        nb, idle = check(cig)
+        T = (cig + 7)//8
+        if cig in (16, 34, 40, 64, 72, 128, 256): print(f"cig {cig}: T {T}, blocks/row {nb} (before {old(T)}), idle warps {idle}")
+    print("every entry written once, every fragment on its channels")

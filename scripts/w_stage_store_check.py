@@ -21,33 +21,9 @@ rounding, is what is checked).
 """
 import numpy as np
 
-kWarps, kBlockRows, kTileCols, kMaxLags = 4, 16, 8, 5
+from w_stage_plan_check import blocks_per_row, kBlockRows, kTileCols, kWarps, locate, paired_blocks  # the block plan
 
-
-# The block plan, as in scripts/w_stage_plan_check.py.
-def full_blocks(T, p):
-    tiles = T - 2 * p
-    return tiles // kWarps if T % 2 == 0 else (tiles + kWarps - 1) // kWarps
-
-
-def paired_blocks(T):
-    if T % 2: return 0
-    half = T // 2; first = (half - 1) % 2
-    return ((half - first + 1) // 2 + 1) // 2
-
-
-def blocks_per_row(T):
-    return paired_blocks(T) + sum(full_blocks(T, p) for p in range(T) if 2 * p < T)
-
-
-def locate(y, T):
-    p = 0
-    while 2 * p < T:
-        n = full_blocks(T, p)
-        if y < n: return ([p, -1], 2 * p + kWarps * y, kBlockRows)
-        y -= n; p += 1
-    half = T // 2; first = (half - 1) % 2 + 4 * y; second = first + 2
-    return ([first, second if second < half else -1], T - 2, 2 * kBlockRows)
+kMaxLags = 5
 
 
 def warps_of(cig):
