@@ -375,7 +375,6 @@ at::Tensor spectrum(const at::Tensor& taps, const at::Tensor& dft_d, const at::T
     const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.kd));
     const dim3 block(static_cast<unsigned>(kWarp * std::min(a.kh, kMaxWarps)));
     launch<Taps>(static_cast<int>(kw), a, grid, block, smem_bytes<Taps>(taps), at::cuda::getCurrentCUDAStream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return out;
 }
