@@ -35,7 +35,7 @@ constexpr int64_t kMinChunkBytes = int64_t(8) << 20;
 constexpr int64_t kMaxRowsBytes = int64_t(64) << 20;
 constexpr int64_t kMaxWeightBytes = int64_t(64) << 20;
 // The H stage's output kept for one D stage over every depth frequency, where it is at most
-// this large (seed: 59 MB) and no larger than x's spectrum: per chunk, the D stage read and
+// this large (seed: 29.5 MB in complex64, 59 in complex128 until 2026-12-01) and no larger than x's spectrum: per chunk, the D stage read and
 // wrote Z^ (26.5 MB) each time. The output's size does not depend on the batch, so on a
 // small batch it outweighed the rest of the call (b4: peak 159.0 MiB kept, 102.7 per chunk,
 // eager 121.2; docs/performance.md, 2026-12-01 00:19 UTC).
@@ -158,17 +158,21 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   // frequencies, not 8, 8 and 4): the same GPU time, 8 MiB less peak memory
   // (docs/performance.md, 22:48-22:54 UTC runs).
   const int64_t chunks = (grid[0] + most - 1) / most, chunk = (grid[0] + chunks - 1) / chunks;
-  const at::TensorOptions lag_options = coef_h.options().dtype(at::kComplexDouble);  // the stages' outputs
+  // The D stage's output R^ is complex128; the H stage's, in x's spectrum's dtype, as Q:
+  // its float64 sums rounded once more to float32 for float32 x, half the bytes that the H
+  // stage writes and the D stage reads (seed: 59 MB of 118; docs/performance.md, 2026-12-01).
+  const at::TensorOptions lag_options = coef_h.options().dtype(at::kComplexDouble);
+  const at::TensorOptions h_options = coef_h.options().dtype(x_spec.scalar_type());
   const bool deferred =
-      keep_h_stage_output(chunks, grid[0] * mh * columns * c10::elementSize(at::kComplexDouble), x_spec);
+      keep_h_stage_output(chunks, grid[0] * mh * columns * x_spec.element_size(), x_spec);
   const at::Tensor coef_w_x = x_spec.scalar_type() == at::kComplexFloat ? tables.coef_w_float : coef_w;
-  const at::Tensor p_all = deferred ? at::empty({grid[0], mh, columns}, lag_options) : at::Tensor();
+  const at::Tensor p_all = deferred ? at::empty({grid[0], mh, columns}, h_options) : at::Tensor();
   at::Tensor r = deferred ? at::empty({1, md, mh * columns}, lag_options)
                           : at::zeros({1, md, mh * columns}, lag_options);
   for (int64_t fd0 = 0; fd0 < grid[0]; fd0 += chunk) {
     const int64_t n = std::min(chunk, grid[0] - fd0);
     const at::Tensor q = backend.cross_spectrum_rows(x_spec, fd0, n, coef_w_x, groups);
-    at::Tensor p = deferred ? p_all.narrow(0, fd0, n) : at::empty({n, mh, columns}, lag_options);
+    at::Tensor p = deferred ? p_all.narrow(0, fd0, n) : at::empty({n, mh, columns}, h_options);
     backend.lag_stage(q.view({n, grid[1], columns}), coef_h, p, false);
     if (!deferred) backend.lag_stage(p.view({1, n, mh * columns}), coef_d.narrow(0, fd0, n), r, true);
   }

@@ -198,15 +198,16 @@ def cross_spectrum_step_kernels(problem, dtype=torch.float32):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("batch, d_stages", [(8, 1), (1, 14)], ids=["kept", "per-chunk"])
-def test_cross_spectrum_keeps_the_h_stage_output_where_x_spectrum_is_larger(batch, d_stages):
+@pytest.mark.parametrize("batch, d_stages, chunks", [(8, 1, 2), (1, 14, 14)], ids=["kept", "per-chunk"])
+def test_cross_spectrum_keeps_the_h_stage_output_where_x_spectrum_is_larger(batch, d_stages, chunks):
     """csrc/cross_spectrum_energy.cpp: over 42 depth frequencies in chunks, the H stage's
-    output (41 MB here, whatever the batch) is kept for one D stage where x's spectrum is
-    at least as large (batch 8: 45 MB, 2 chunks), else the D stage runs per chunk (batch 1:
-    5.7 MB, 14 chunks). Both against float64."""
+    output (20.5 MB of complex64 here, whatever the batch) is kept for one D stage where x's
+    spectrum is at least as large (batch 8: 45 MB, 2 chunks), else the D stage runs per chunk
+    (batch 1: 5.7 MB, 14 chunks). Both against float64."""
     names = cross_spectrum_step_kernels(Problem(batch, 64, 8, (40, 20, 20), (3, 3, 3)))
-    # the D stage is the lag stage over float64 sums (the H stage's input is x's dtype)
-    assert sum("lag_stage_kernel<double2" in n for n in names) == d_stages
+    # the D stage is the lag stage that stores float64 sums (the H stage stores x's dtype)
+    assert sum("lag_stage_kernel<float2, double2" in n for n in names) == d_stages
+    assert sum("lag_stage_kernel<float2, float2" in n for n in names) == chunks
 
 
 # The W stage's cases (tests above): tiles past the channels, lag launches of 5 and 2,

@@ -24,7 +24,7 @@ constexpr int kMaxLags = 9;  // per launch: 2k' - 1 for k' = 5 in one pass
 struct StageArgs {
   const void* q;        // [outer, freqs, cols], complex of Tin
   const double* coef;   // [freqs, lags_total], real (lag_spectrum_phases)
-  double2* out;         // [outer, lags_total, cols]
+  void* out;            // [outer, lags_total, cols], complex128, or complex64 where q is
   int64_t outer, freqs, cols, lags_total, lag0, lags;
   bool accumulate;
 };
@@ -32,6 +32,10 @@ struct StageArgs {
 template <typename C>
 __device__ __forceinline__ double2 widen(const C& v) {
   return double2{static_cast<double>(v.x), static_cast<double>(v.y)};
+}
+__device__ __forceinline__ double2 narrow_to(double2 v, double2) { return v; }
+__device__ __forceinline__ float2 narrow_to(double2 v, float2) {
+  return float2{static_cast<float>(v.x), static_cast<float>(v.y)};
 }
 
 // Q's loads are issued kAhead<C> frequencies before their use (32 bytes in flight per thread)
@@ -43,7 +47,9 @@ template <typename C>
 constexpr int kAhead = 32 / sizeof(C);
 constexpr int kFreqTile = 64;  // coefficients staged per pass: kFreqTile x kLags
 
-template <typename C, int kLags>
+// Cout: the sums' type as stored, float2 for the H stage of float32 spectra (its float64
+// sums rounded once, as Q's are).
+template <typename C, typename Cout, int kLags>
 __global__ void __launch_bounds__(kThreads, 3) lag_stage_kernel(StageArgs a) {
   __shared__ double coef[kFreqTile][kLags];
   pdl_chain_start();
@@ -84,27 +90,28 @@ __global__ void __launch_bounds__(kThreads, 3) lag_stage_kernel(StageArgs a) {
     }
   }
   if (!active) return;
-  double2* out = a.out + (outer * a.lags_total + a.lag0) * a.cols + col;
+  Cout* out = static_cast<Cout*>(a.out) + (outer * a.lags_total + a.lag0) * a.cols + col;
 #pragma unroll
   for (int m = 0; m < kLags; ++m) {
     if (m < a.lags) {
-      double2& o = out[m * a.cols];
-      o = a.accumulate ? double2{o.x + acc[m].x, o.y + acc[m].y} : acc[m];
+      Cout& o = out[m * a.cols];
+      o = narrow_to(a.accumulate ? double2{o.x + acc[m].x, o.y + acc[m].y} : acc[m], Cout{});
     }
   }
 }
 
-template <typename C>
+template <typename C, typename Cout>
 void launch_stage(const StageArgs& a) {
   const int64_t blocks = (a.outer * a.cols + kThreads - 1) / kThreads;
   const auto stream = at::cuda::getCurrentCUDAStream();
   // The smallest register budget that holds the launch's lags.
   if (a.lags <= 3) {
-    launch_overlapping(lag_stage_kernel<C, 3>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream, a);
+    launch_overlapping(lag_stage_kernel<C, Cout, 3>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream, a);
   } else if (a.lags <= 5) {
-    launch_overlapping(lag_stage_kernel<C, 5>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream, a);
+    launch_overlapping(lag_stage_kernel<C, Cout, 5>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream, a);
   } else {
-    launch_overlapping(lag_stage_kernel<C, kMaxLags>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), stream, a);
+    launch_overlapping(lag_stage_kernel<C, Cout, kMaxLags>, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
+                       stream, a);
   }
 }
 
@@ -115,15 +122,17 @@ void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out
   const bool is_double = q.scalar_type() == at::kComplexDouble;
   TORCH_CHECK(is_double || q.scalar_type() == at::kComplexFloat,
               "ct_bn_pool: lag_stage_cuda takes complex64 or complex128 values");
+  const bool narrow_out = out.scalar_type() == at::kComplexFloat;
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.is_contiguous() && out.is_contiguous() &&
-                  out.scalar_type() == at::kComplexDouble && coef.scalar_type() == at::kDouble &&
+                  (out.scalar_type() == at::kComplexDouble || (narrow_out && !is_double)) &&
+                  coef.scalar_type() == at::kDouble &&
                   coef.is_contiguous() && coef.size(0) == q.size(1) &&
                   out.size(0) == q.size(0) && out.size(1) == coef.size(1) && out.size(2) == q.size(2),
               "ct_bn_pool: lag_stage_cuda: inconsistent shapes or layouts");
   StageArgs a;
   a.q = q.data_ptr();
   a.coef = coef.data_ptr<double>();
-  a.out = reinterpret_cast<double2*>(out.data_ptr());
+  a.out = out.data_ptr();
   a.outer = q.size(0);
   a.freqs = q.size(1);
   a.cols = q.size(2);
@@ -135,9 +144,11 @@ void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out
   for (a.lag0 = 0; a.lag0 < a.lags_total; a.lag0 += kMaxLags) {
     a.lags = std::min<int64_t>(kMaxLags, a.lags_total - a.lag0);
     if (is_double) {
-      launch_stage<double2>(a);
+      launch_stage<double2, double2>(a);
+    } else if (narrow_out) {
+      launch_stage<float2, float2>(a);
     } else {
-      launch_stage<float2>(a);
+      launch_stage<float2, double2>(a);
     }
   }
 }
