@@ -35,10 +35,10 @@ constexpr int64_t kMinChunkBytes = int64_t(8) << 20;
 constexpr int64_t kMaxRowsBytes = int64_t(64) << 20;
 constexpr int64_t kMaxWeightBytes = int64_t(64) << 20;
 // The H stage's output kept for one D stage over every depth frequency, where it is at most
-// this large (seed: 29.5 MB in complex64, 59 in complex128 until 2026-12-01) and no larger than x's spectrum: per chunk, the D stage read and
-// wrote Z^ (26.5 MB) each time. The output's size does not depend on the batch, so on a
-// small batch it outweighed the rest of the call (b4: peak 159.0 MiB kept, 102.7 per chunk,
-// eager 121.2; docs/performance.md, 2026-12-01 00:19 UTC).
+// this large (seed: 29.5 MB of complex64) and no larger than x's spectrum: per chunk, the D
+// stage read and wrote Z^ (26.5 MB) each time. The output's size does not depend on the
+// batch, so on a small batch it outweighed the rest of the call (b4: peak 159.0 MiB kept,
+// 102.7 per chunk, eager 121.2, with complex128; docs/performance.md, 2026-12-01 00:19 UTC).
 constexpr int64_t kMaxDeferredBytes = int64_t(64) << 20;
 bool keep_h_stage_output(int64_t chunks, int64_t bytes, const at::Tensor& x_spec) {
   return chunks == 1 || bytes <= std::min(kMaxDeferredBytes, x_spec.numel() * x_spec.element_size());
@@ -158,9 +158,10 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   // frequencies, not 8, 8 and 4): the same GPU time, 8 MiB less peak memory
   // (docs/performance.md, 22:48-22:54 UTC runs).
   const int64_t chunks = (grid[0] + most - 1) / most, chunk = (grid[0] + chunks - 1) / chunks;
-  // The D stage's output R^ is complex128; the H stage's, in x's spectrum's dtype, as Q:
-  // its float64 sums rounded once more to float32 for float32 x, half the bytes that the H
-  // stage writes and the D stage reads (seed: 59 MB of 118; docs/performance.md, 2026-12-01).
+  // The D stage's output Z^ is complex128; the H stage's is in x's spectrum's dtype, as Q is:
+  // for float32 x its float64 sums are rounded once to complex64, and the H stage writes and
+  // the D stage reads half the bytes (seed: 29.5 MB instead of 59; docs/performance.md,
+  // 2026-12-01 12:37 UTC).
   const at::TensorOptions lag_options = coef_h.options().dtype(at::kComplexDouble);
   const at::TensorOptions h_options = coef_h.options().dtype(x_spec.scalar_type());
   const bool deferred =

@@ -87,8 +87,8 @@ struct Backend {
                                     const at::Tensor& coef, int64_t groups);
   // The H and D stages after it (§3.5): out[a, m, c] = sum_f coef[f, m] q[a, f, c],
   // added to out if `accumulate`; q [A, F, C] complex64 or complex128, coef [F, M] double
-  // (real: lag_spectrum_phases) and out [A, M, C] complex128 (or complex64 where q is: the sums
-  // are float64, rounded once as stored), all contiguous.
+  // (real: lag_spectrum_phases) and out [A, M, C] complex128 (or, without `accumulate`,
+  // complex64 where q is: the sums are float64, rounded once as stored), all contiguous.
   void (*lag_stage)(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate);
   // The stream of `device` that a call's work is queued on, as an id that geometry-only
   // tables may be cached under (table_cache.h), or -1 while that stream is being captured

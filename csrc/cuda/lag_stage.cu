@@ -124,7 +124,7 @@ void lag_stage_cuda(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out
               "ct_bn_pool: lag_stage_cuda takes complex64 or complex128 values");
   const bool narrow_out = out.scalar_type() == at::kComplexFloat;
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.is_contiguous() && out.is_contiguous() &&
-                  (out.scalar_type() == at::kComplexDouble || (narrow_out && !is_double)) &&
+                  (out.scalar_type() == at::kComplexDouble || (narrow_out && !is_double && !accumulate)) &&
                   coef.scalar_type() == at::kDouble &&
                   coef.is_contiguous() && coef.size(0) == q.size(1) &&
                   out.size(0) == q.size(0) && out.size(1) == coef.size(1) && out.size(2) == q.size(2),
