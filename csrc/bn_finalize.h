@@ -125,10 +125,10 @@ FO_HD void write_pooled(const FinalizeArgs<scalar_t>& a, const ChannelNorm& n, i
 }
 
 // Finalizes channel c (docs/math.md §4). Work over the batch is split as
-// b = first, first + step, ...; `energy` is this participant's energy_part; `sample_sum(b)` gives the conv sum of sample b
-// (the CUDA kernel precomputes them cooperatively); `block_sum` must return the
-// sum of its argument over all participants of the split (identity on the CPU, a
-// block reduction on CUDA) and is called the same number of times by each.
+// b = first, first + step, ...; `energy` is this participant's energy_part; `sample_sum(b)`
+// gives the conv sum of sample b (the CUDA kernel precomputes them cooperatively); `block_sum`
+// must return the sum of its argument over all participants of the split (identity on the
+// CPU, a block reduction on CUDA) and is called the same number of times by each.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable  // the callables are device lambdas on CUDA, host ones on the CPU
 #endif
