@@ -1,9 +1,12 @@
 """Per-kernel GPU times of the fused op on a bench problem (torch.profiler), for tuning.
 
     python scripts/profile_seed.py [eval|train] [contiguous|channels_last_3d] [algo] [host|wall]
-        [--problem NAME]
+        [--problem NAME] [--no-overlap]
 
-NAME is one of bench/bench_ct_bn_pool.py's CUDA problems (default: seed).
+NAME is one of bench/bench_ct_bn_pool.py's CUDA problems (default: seed). --no-overlap sets
+FUSED_OPS_OVERLAP=off (csrc/cuda/pdl.cuh): the kernels that are otherwise launched to overlap
+the one before run one after another, so that each kernel's time excludes its wait for the
+previous one (with the overlap, the table's times include it, and their sum exceeds the call).
 
 With `host`, the table is the host side instead: ATen ops by self CPU time, how many
 each call issues, and the wall time of issuing one call (no synchronization), with the GPU
@@ -11,6 +14,7 @@ busy and with it idle. With
 `wall`, only the wall time per call of 50 calls issued back to back (what an eager loop
 of this op sees: the larger of its host and GPU time), no profiler.
 """
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from bench_ct_bn_pool import CUDA_PROBLEMS, conv_options  # noqa: E402
 
 argv = sys.argv[:]
+if "--no-overlap" in argv:
+    argv.remove("--no-overlap")
+    os.environ["FUSED_OPS_OVERLAP"] = "off"
 problem = "seed"
 if "--problem" in argv:
     at = argv.index("--problem")

@@ -349,11 +349,30 @@ def test_cross_spectrum_tap_spectrum_reads_a_strided_weight():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("variable", ["FUSED_OPS_W_STAGE", "FUSED_OPS_CONTRACTION"])
+def test_overlapping_launches_off_gives_the_same_bits(monkeypatch):
+    """FUSED_OPS_OVERLAP=off (csrc/cuda/pdl.cuh, for profiling) launches the training chain's
+    kernels one after another: the same output and running statistics, bit for bit."""
+    p = Problem(3, 16, 8, (5, 6, 7), (3, 2, 3))
+    x = make_input(p, torch.float32, "cuda") + 1.0
+    results = []
+    for overlap in ("auto", "off"):
+        monkeypatch.setenv("FUSED_OPS_OVERLAP", overlap)
+        torch.manual_seed(0)  # the same parameters for both
+        _, fused = make_models(p, torch.float32, "cuda", algo="cross_spectrum")
+        fused.train()
+        with torch.no_grad():
+            out = fused(x)
+        results.append([out, fused.batch_norm.running_mean, fused.batch_norm.running_var])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variable", ["FUSED_OPS_W_STAGE", "FUSED_OPS_CONTRACTION", "FUSED_OPS_OVERLAP"])
 def test_cross_spectrum_refuses_an_unknown_route(variable, monkeypatch):
-    """FUSED_OPS_W_STAGE takes `auto` or `simt`, FUSED_OPS_CONTRACTION `auto` or `gemm`;
-    anything else is an error naming the variable, and the running statistics and the batch
-    count are left as they were."""
+    """FUSED_OPS_W_STAGE takes `auto` or `simt`, FUSED_OPS_CONTRACTION `auto` or `gemm`,
+    FUSED_OPS_OVERLAP `auto` or `off`; anything else is an error naming the variable, and the
+    running statistics and the batch count are left as they were."""
     monkeypatch.setenv(variable, "tensor_cores")
     p = Problem(2, 8, 4, (3, 4, 5), (2, 2, 2))
     _, fused = make_models(p, torch.float32, "cuda", algo="cross_spectrum")

@@ -14,6 +14,8 @@
 
 #include <utility>
 
+#include "cuda/forced_route.h"
+
 namespace fused_ops {
 
 __device__ __forceinline__ void pdl_launch_dependents() {
@@ -40,7 +42,12 @@ void launch_overlapping(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, si
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attr;
-  config.numAttrs = at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  // FUSED_OPS_OVERLAP=off launches them one after another, as ordinary launches: for
+  // profiling, where each kernel's time would otherwise include its wait for the one before
+  // (scripts/profile_seed.py --no-overlap); the results are the same bits either way.
+  const bool overlap =
+      at::cuda::getCurrentDeviceProperties()->major >= 9 && !route_forced("FUSED_OPS_OVERLAP", "off");
+  config.numAttrs = overlap ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
