@@ -142,8 +142,8 @@ Tables tables_for(const Backend& backend, const ConvGeometry& g, const ConvGeome
 }
 
 // R^, the DFT on the grid M of x's cross-correlation R' centred on its grid mean (the DC
-// bin left out), as the backend's correlation_blocks: [Md, Mh, Mw/2 + 1, G, 2 Cig, 2 Cig]
-// double (§3.5). The backend's W stage runs for a chunk of depth frequencies at a
+// bin left out), as the backend's correlation_blocks: [Md, Mh, Mw/2 + 1, G, Cig, Cig]
+// complex128 (§3.5). The backend's W stage runs for a chunk of depth frequencies at a
 // time and its H stage on that chunk; its D stage takes the H stage's output to Z^, already
 // at the bins g_d, g_h of M and the lags m_w >= 0: once over every depth frequency where
 // that output may be kept (keep_h_stage_output), else per chunk, adding the chunk's terms to Z^.
@@ -186,7 +186,7 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
 // (1 / |M|) sum_g W_r(g)^H R^(g) W_r(g) on the grid M = 2k' - 1 per dim, where both DFTs
 // are exact (§3.5). One chunk of one phase (the seed problem) leaves its S partial sums
 // (Backend::quad_forms) unadded: four small kernels fewer per call (a reduction, a copy, a sum
-// over the phases and a scaling). blocks: R^ (correlation_spectrum), in real blocks.
+// over the phases and a scaling). blocks: R^ (correlation_spectrum), complex.
 // budget: bytes of the sub-kernels' spectra per chunk of output channels.
 // stack: the sub-kernels, [k'd, k'h, k'w, G, Cig, P, Cog] (sub_kernels), so that their DFT
 // comes out with a frequency's [Cig, P Cog] matrix contiguous.
@@ -199,9 +199,11 @@ at::Tensor phase_energies(const Backend& backend, const at::Tensor& blocks, cons
   const int64_t chunk = std::clamp<int64_t>(budget / channel_bytes, 1, cog);
   // [S, G, P n]: the quadratic forms of the output channels c0 .. c0 + n - 1.
   auto quad_forms = [&](int64_t c0, int64_t n) {
-    // [Md, Mh, Mwf, G, 2 Cig, P n]: the order that serves both the GEMM and the quadratic forms.
+    // [Md, Mh, Mwf, G, 2 Cig, P n], a channel's real parts' row, then its imaginary parts':
+    // the order that serves both the GEMM and the quadratic forms, R^'s interleaved real form.
     const at::Tensor taps = stack.narrow(6, c0, n).flatten(3, 5);  // [k'd, k'h, k'w, G Cig P, n], a view
-    const at::Tensor w_hat = backend.tap_spectrum(taps, tables.dft[0], tables.dft[1], tables.dft[2], groups)
+    const at::Tensor w_hat =
+        backend.tap_spectrum(taps, tables.dft[0], tables.dft[1], tables.dft[2], groups * cig)
                                  .view({blocks.size(0), blocks.size(1), blocks.size(2), groups, 2 * cig, phases * n});
     return backend.quad_forms(blocks, w_hat, tables.mirror);
   };
@@ -251,26 +253,35 @@ at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& ph
   const int64_t md = z_hat.size(0), mh = z_hat.size(1), mwh = z_hat.size(2);
   const at::Tensor u = z_hat + z_hat.flip({0, 1}).roll({1, 1}, {0, 1}).conj_physical();
   const at::Tensor p = at::matmul(phases, u.reshape({md * mh, mwh, -1})).view(z_hat.sizes());
-  const at::Tensor r = p + p.transpose(-1, -2).conj_physical();
-  const at::Tensor re = at::real(r), im = at::imag(r);
-  return at::cat({at::cat({re, -im}, -1), at::cat({im, re}, -1)}, -2);
+  return p + p.transpose(-1, -2).conj_physical();
+}
+
+at::Tensor interleaved_real_form(const at::Tensor& blocks) {
+  const at::Tensor parts = at::view_as_real(blocks);
+  const at::Tensor re = parts.select(-1, 0), im = parts.select(-1, 1);
+  // [..., Cig (i), 2 (a), Cig (k), 2 (b)]: rows 2i (Re, -Im) and 2i + 1 (Im, Re) over columns 2k, 2k + 1
+  const at::Tensor form = at::stack({at::stack({re, -im}, -1), at::stack({im, re}, -1)}, -3);
+  std::vector<int64_t> shape(blocks.sizes().begin(), blocks.sizes().end());
+  shape.end()[-2] *= 2;
+  shape.end()[-1] *= 2;
+  return form.reshape(shape);
 }
 
 at::Tensor quad_forms_aten(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror) {
-  const at::Tensor quad = at::mul(w_hat, at::matmul(blocks, w_hat)).sum(4);
+  const at::Tensor quad = at::mul(w_hat, at::matmul(interleaved_real_form(blocks), w_hat)).sum(4);
   return quad.mul_(mirror.view({1, 1, -1, 1, 1})).sum(at::IntArrayRef{0, 1, 2}).unsqueeze(0);
 }
 
 // One dim at a time (docs/math.md §3.5): on the seed problem 5.5 times fewer real multiply-adds
 // per column than the three tables' product as one matrix, which was one GEMM until 2026-12-01.
 at::Tensor tap_spectrum_aten(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
-                             const at::Tensor& dft_w, int64_t groups) {
+                             const at::Tensor& dft_w, int64_t rows) {
   const int64_t kd = taps.size(0), kh = taps.size(1), kw = taps.size(2), cols = taps.size(3) * taps.size(4);
   const int64_t bd = dft_d.size(0), bh = dft_h.size(0), bw = dft_w.size(0);
   at::Tensor t = at::matmul(dft_d, taps.reshape({kd, -1}).to(at::kComplexDouble));  // [bd, kh kw cols]
   t = at::matmul(dft_h, t.view({bd, kh, kw * cols}));                              // [bd, bh, kw cols]
   t = at::matmul(dft_w, t.view({bd * bh, kw, cols}));                              // [bd bh, bw, cols]
-  return at::view_as_real(t.view({bd * bh * bw, groups, cols / groups})).permute({0, 1, 3, 2}).contiguous();
+  return at::view_as_real(t.view({bd * bh * bw, rows, cols / rows})).permute({0, 1, 3, 2}).contiguous();
 }
 
 void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate) {

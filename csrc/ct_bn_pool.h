@@ -95,23 +95,25 @@ struct Backend {
   // into a CUDA graph.
   int64_t (*table_stream)(const at::Device& device);
   // R^ on the grid M from the D stage's output z_hat [Md, Mh, Mwh, G, Cig, Cig]
-  // complex128 and the phases [Mwh, Mwh] complex128 of its last step (§3.5), as the real
-  // blocks [[Re, -Im], [Im, Re]] of each bin's matrix: [Md, Mh, Mwh, G, 2 Cig, 2 Cig] double.
+  // complex128 and the phases [Mwh, Mwh] complex128 of its last step (§3.5):
+  // [Md, Mh, Mwh, G, Cig, Cig] complex128, contiguous, Hermitian per bin and group.
   at::Tensor (*correlation_blocks)(const at::Tensor& z_hat, const at::Tensor& phases);
   // The contraction's quadratic forms (§3.5): [S, G, C] double, S partial sums to be added,
   // over the bins (g_d, g_h, g_w) and rows k of mirror[g_w] w_hat v at [g_d, g_h, g_w, G, k, c],
-  // v = blocks w_hat per bin and group; blocks (R^, correlation_blocks) [Md, Mh, Mw, G, 2 Cig,
-  // 2 Cig], w_hat (the sub-kernels' spectra as [Re; Im]) [Md, Mh, Mw, G, 2 Cig, C], double,
-  // mirror [Mw] double.
+  // v = B w_hat per bin and group, B the interleaved real form of blocks (interleaved_real_form);
+  // blocks (R^, correlation_blocks) [Md, Mh, Mw, G, Cig, Cig] complex128, w_hat (the
+  // sub-kernels' spectra, tap_spectrum's rows) [Md, Mh, Mw, G, 2 Cig, C] double, mirror [Mw]
+  // double.
   at::Tensor (*quad_forms)(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror);
   // The sub-kernels' spectra on the grid M (§3.5): taps [k'd, k'h, k'w, R, N], float32 or
   // float64 in any strides (a view of the weight: cross_spectrum_energy.cpp's sub_kernels),
-  // its R N columns (r, n) with n fastest, C = R N / G per group, and each dim's forward DFT
-  // dft_x [bins_x, k'_x] complex128 (M_x bins for d and h, M_w / 2 + 1 for w), as
-  // [bins, G, 2, C] double: a bin's real parts over its imaginary parts, the bins
+  // its R N columns (r, n) with n fastest, taken as `rows` complex rows of C = R N / rows
+  // columns (G Cig: a channel's), and each dim's forward DFT dft_x [bins_x, k'_x] complex128
+  // (M_x bins for d and h, M_w / 2 + 1 for w), as [bins, rows, 2, C] double: each complex
+  // row's real parts, then its imaginary parts (quad_forms' interleaved order), the bins
   // (b_d, b_h, b_w) with b_w fastest.
   at::Tensor (*tap_spectrum)(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
-                             const at::Tensor& dft_w, int64_t groups);
+                             const at::Tensor& dft_w, int64_t rows);
   // x's spectrum's kernels: a DFT without the FFT, or the copies around it (x_spectrum.h).
   SpectrumKernels spectrum_kernels;
 };
@@ -162,9 +164,13 @@ void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out
 // Backend::correlation_blocks and Backend::quad_forms with ATen ops (the CPU's).
 at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& phases);
 at::Tensor quad_forms_aten(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror);
+// R^ [..., Cig, Cig] complex128 as the real matrix [..., 2 Cig, 2 Cig] double that quad_forms
+// multiplies (§3.5): row and column 2k the real part of index k, 2k + 1 its imaginary part.
+// For the routes that form it (ATen's and cuBLAS's products).
+at::Tensor interleaved_real_form(const at::Tensor& blocks);
 // Backend::tap_spectrum with ATen's GEMMs, one dim at a time (the CPU's).
 at::Tensor tap_spectrum_aten(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
-                             const at::Tensor& dft_w, int64_t groups);
+                             const at::Tensor& dft_w, int64_t rows);
 // The weight as the direct kernel reads it (see conv_transpose_row.h).
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);
 

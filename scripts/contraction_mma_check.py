@@ -1,14 +1,18 @@
 """A numpy model of csrc/cuda/quad_form_mma.cu (docs/math.md §3.5, the fused contraction): its
-blocks (bin, group, row tile, column tile), the pieces each thread stages per chunk (cp.async's
-zeros past R and C; shared memory never staged is NaN, so reading it shows), the chunks from
-the last down to the block's own rows with the sums doubled before the diagonal tile,
-mma.m16n8k8's fragment layouts (mma_f64.cuh), the epilogue's weights from the last two chunks
-staged, the shuffles over lane/4 and the two halves' sum, and the grid's order (pair-major,
-then the last pairs' blocks, two waves' worth, by row tile). Checked against the direct formula
-sum_g mirror[g_w] W^T (B W) on random R^ (Hermitian, in real blocks) for several R = 2 Cig, C,
-groups, chunks of columns (phase_energies' calls) and wave sizes (no tail, part, all), and each
-partial sum written once. Last, the DMMAs of the seed problem's call and the time they take at
-the H200's float64 tensor rate, and the grid's makespan with blocks started in index order.
+blocks (bin, group, row tile, column tile), the pieces each thread stages per chunk (R^'s
+complex values, 16 bytes each, and W's rows; cp.async's zeros past Cig, R and C; shared memory
+never staged is NaN, so reading it shows), the chunks from the last down to the block's own rows
+with the sums doubled before the diagonal tile, mma.m16n8k8's fragment layouts (mma_f64.cuh)
+with each thread's A elements taken from the staged complex values (its component and sign by
+the parities of lane/4 and lane%4) and the banks those loads hit, the epilogue's weights from
+the last two chunks staged, the shuffles over lane/4 and the two halves' sum, and the grid's
+order (pair-major, then the last pairs' blocks, two waves' worth, by row tile). Checked against
+the complex formula sum_g mirror[g_w] Re(W_c^H R^ W_c), W_c the complex values of W's
+interleaved rows (Re, Im of channel 0, Re, Im of channel 1, ...), on random Hermitian R^ for
+several R = 2 Cig, C, groups, chunks of columns (phase_energies' calls) and wave sizes (no tail,
+part, all), and each partial sum written once. Last, the DMMAs of the seed problem's call and the
+time they take at the H200's float64 tensor rate, and the grid's makespan with blocks started in
+index order.
 
     python scripts/contraction_mma_check.py
 """
@@ -45,15 +49,16 @@ def grid_order(pairs, row_tiles, col_tiles, wave):
 
 
 def stage_chunk(b, w, rows, cols, row0, col0, k0, width, smem_b, smem_w):
-    """Pieces and stage_chunk: B's rows of the block and W's rows k0.. into one buffer."""
+    """Pieces and stage_chunk: R^'s complex rows of the block (b: [Cig, 2 Cig] doubles, a
+    complex value's real and imaginary parts adjacent) and W's rows k0.. into one buffer."""
     tid = np.arange(THREADS)
-    r, k = tid // (CHUNK // 2), 2 * (tid % (CHUNK // 2))
-    for n in range(TILE * CHUNK // 2 // THREADS):
+    r, k = tid // (CHUNK // 2), 2 * (tid % (CHUNK // 2))  # a complex row, a complex value's doubles
+    for n in range(TILE // 2 * CHUNK // 2 // THREADS):
         step = THREADS // (CHUNK // 2)
         for t in tid:
-            valid = k[t] < rows - k0 and n * step < rows - row0 - r[t]
+            valid = k[t] < rows - k0 and n * step < rows // 2 - row0 // 2 - r[t]
             to = r[t] * PITCH_B + k[t] + n * step * PITCH_B
-            smem_b[to:to + 2] = b[row0 + r[t] + n * step, k0 + k[t]:k0 + k[t] + 2] if valid else 0
+            smem_b[to:to + 2] = b[row0 // 2 + r[t] + n * step, k0 + k[t]:k0 + k[t] + 2] if valid else 0
     w_row, c = tid // (TILE // width), width * (tid % (TILE // width))
     step = THREADS // (TILE // width)
     for n in range(CHUNK * TILE // width // THREADS):
@@ -77,11 +82,26 @@ def mma(d, a, b):
         d[e] = dm[G + 8 * (e // 2), 2 * T4 + e % 2]
 
 
+def fragment_source():
+    """multiply_chunk's A elements from the staged complex values: real row 2i + a, column 2k + b
+    of R^'s real form is Re R^[i, k] (a = b), -Im (a = 0, b = 1) or Im (a = 1, b = 0); a
+    thread's a and b are the parities of lane/4 and lane%4 for all its elements. Its first
+    element's offset in a buffer (complex row lane/8 of the warp's, the double of lane%4's
+    complex column and of its component) and its sign."""
+    offset = G // 2 * PITCH_B + (T4 & 2) + ((G ^ T4) & 1)
+    sign = np.where((G % 2 == 0) & (T4 % 2 == 1), -1.0, 1.0)
+    # A warp's load of one element: 16 distinct doubles (each read by two lanes), in 16
+    # distinct pairs of 4-byte banks: one wavefront.
+    assert len(set(offset)) == 16 and len(set(offset % 16)) == 16
+    return offset, sign
+
+
 def block(b, w, rows, cols, row_tile, col_tile, width):
     """One block's 64 column sums (before mirror), and its DMMA count."""
     row0, col0 = TILE * row_tile, TILE * col_tile
     chunks = (rows - row0 + CHUNK - 1) // CHUNK
-    smem_b = np.full((2, TILE * PITCH_B), np.nan)
+    offset, sign = fragment_source()
+    smem_b = np.full((2, TILE // 2 * PITCH_B), np.nan)
     smem_w = np.full((2, CHUNK * PITCH_W), np.nan)
     acc = np.zeros((4, 2, 4, 4, 32))  # [warp][m][n][e][lane]
     warps = [(warp // 2, WARP_TILE * (warp // 2), WARP_TILE * (warp % 2)) for warp in range(4)]
@@ -97,10 +117,10 @@ def block(b, w, rows, cols, row_tile, col_tile, width):
         for warp, (_, wr, wc) in enumerate(warps):
             if not active[warp]:
                 continue
-            bs = (wr + G) * PITCH_B + T4
+            bs = wr // 2 * PITCH_B + offset
             ws = T4 * PITCH_W + wc + G
             for k in range(0, CHUNK, MMA_K):
-                af = [[smem_b[buf][bs + (16 * m + 8 * (v % 2)) * PITCH_B + k + 4 * (v // 2)] for v in range(4)]
+                af = [[sign * smem_b[buf][bs + (8 * m + 4 * (v % 2)) * PITCH_B + k + 4 * (v // 2)] for v in range(4)]
                       for m in range(2)]
                 bf = [[smem_w[buf][ws + (k + 4 * v) * PITCH_W + 8 * n] for v in range(2)] for n in range(4)]
                 for m in range(2):
@@ -129,7 +149,7 @@ def block(b, w, rows, cols, row_tile, col_tile, width):
 
 
 def kernel(b, w, mirror, wave):
-    """quad_forms_mma_cuda: b [bins, G, R, R], w [bins, G, R, C] -> partial [bins row_tiles, G, C]."""
+    """quad_forms_mma_cuda: b [bins, G, Cig, Cig] complex, w [bins, G, R, C] -> partial [bins row_tiles, G, C]."""
     bins, groups, rows, cols = w.shape
     row_tiles, col_tiles = tiles(rows), tiles(cols)
     width = 2 if cols % 2 == 0 else 1
@@ -138,7 +158,8 @@ def kernel(b, w, mirror, wave):
     dmma = 0
     for pair, row_tile, col_tile in grid_order(bins * groups, row_tiles, col_tiles, wave):
         bin_, group = pair // groups, pair % groups
-        sums, count = block(b[bin_, group], w[bin_, group], rows, cols, row_tile, col_tile, width)
+        b_doubles = b[bin_, group].view(np.float64)  # [Cig, 2 Cig]: as the kernel reads it
+        sums, count = block(b_doubles, w[bin_, group], rows, cols, row_tile, col_tile, width)
         dmma += count
         for c in range(TILE):
             if TILE * col_tile + c < cols:
@@ -149,20 +170,20 @@ def kernel(b, w, mirror, wave):
     return partial, dmma
 
 
-def random_blocks(rng, bins, groups, cig):
-    """R^ in real blocks [[Re, -Im], [Im, Re]] of Hermitian matrices: symmetric."""
+def random_spectrum(rng, bins, groups, cig):
+    """R^ of Hermitian matrices, complex128 [bins, G, Cig, Cig] (correlation_blocks')."""
     z = rng.standard_normal((bins, groups, cig, cig)) + 1j * rng.standard_normal((bins, groups, cig, cig))
-    h = z + np.conj(np.swapaxes(z, -1, -2))
-    return np.block([[h.real, -h.imag], [h.imag, h.real]])
+    return np.ascontiguousarray(z + np.conj(np.swapaxes(z, -1, -2)))
 
 
 def check(rng, grid, groups, cig, cols, chunk, wave):
     mw = grid[2]
     bins = grid[0] * grid[1] * grid[2]
-    b = random_blocks(rng, bins, groups, cig)
+    b = random_spectrum(rng, bins, groups, cig)
     w = rng.standard_normal((bins, groups, 2 * cig, cols))
     mirror = rng.uniform(0.5, 2.0, mw)
-    direct = np.einsum("g,gakc,gakc->ac", mirror[np.arange(bins) % mw], w, b @ w)
+    wc = w[:, :, 0::2] + 1j * w[:, :, 1::2]  # row 2k: Re W_k, row 2k + 1: Im W_k
+    direct = np.einsum("g,gakc,gakc->ac", mirror[np.arange(bins) % mw], np.conj(wc), b @ wc).real
     got = np.empty_like(direct)
     for c0 in range(0, cols, chunk):  # phase_energies' chunks of columns, a call each
         partial, _ = kernel(b, np.ascontiguousarray(w[..., c0:c0 + chunk]), mirror, wave)

@@ -5,10 +5,11 @@ depth sums of its rows k_h of the plane, and then each warp takes a pair of h bi
 (p, M_h - p): the sums over k_h with the real and imaginary parts of row p of the h table
 (A, B), the rows A + iB and A - iB, and per b_w the four real sums of products of each row
 that give W at (b_d, +-p, b_w) and, the taps being real, at (-b_d, -+p, b_w). Stores go
-through two row offsets per thread, stepped by one bin per b_w (the imaginary part
-group_cols further), a row's mirror at the other row's offset plus one shift per b_d.
-Checked against numpy's FFT of the taps zero-padded to the grid M = 2k' - 1, in the
-[bins, G, 2, C] layout the kernel writes, with the taps read as WeightTaps
+through two row offsets per thread, stepped by one bin per b_w (the imaginary part w_cols
+further), a row's mirror at the other row's offset plus one shift per b_d. Checked against
+numpy's FFT of the taps zero-padded to the grid M = 2k' - 1, in the [bins, rows, 2, C / rows]
+layout the kernel writes (rows: the complex rows of W, G Cig on the path, each a row of real
+parts and one of imaginary parts), with the taps read as WeightTaps
 reads them (a chunk of output channels of a weight [Ci, Co, k'd, k'h, k'w]: a tile within one
 row of the weight with an odd k'd k'h k'w as one run split among the warps, else a column at a
 time) and as StackTaps does (the float64 stack [k'd, k'h, k'w, C]).
@@ -76,12 +77,12 @@ class StackTaps:
         return lambda lane, e: self.flat[e * self.cols + col0 + lane]
 
 
-def kernel_model(taps, shape, groups):
+def kernel_model(taps, shape, rows):
     kd, kh, kw = shape
     cols = taps.cols
     md, mh = 2 * kd - 1, 2 * kh - 1
     e_d, e_h, e_w = dft(md, md, kd), dft(mh, mh, kh), dft(2 * kw - 1, kw, kw)
-    group_cols = cols // groups
+    w_cols = cols // rows
     bins = md * mh * kw
     out = np.full(bins * 2 * cols, np.nan)  # [bins, G, 2, group_cols], flat
     warps = min(kh, MAX_WARPS)
@@ -105,16 +106,16 @@ def kernel_model(taps, shape, groups):
                 for p in range(warp, kh, warps):
                     for lane in lanes:
                         col = col0 + lane
-                        rows = col + col // group_cols * group_cols + bd * row_stride
+                        first = col + col // w_cols * w_cols + bd * row_stride
                         q = plane[:, lane].reshape(kh, kw)
                         if p == 0:  # one row, complex products; its own mirror row
                             row_sums = [e_h[0] @ q]
-                            bins_ = [rows, rows]
+                            bins_ = [first, first]
                         else:
                             a = e_h[p].real @ q
                             b = e_h[p].imag @ q
                             row_sums = [a + 1j * b, a - 1j * b]
-                            bins_ = [rows + p * kw * bin_stride, rows + (mh - p) * kw * bin_stride]
+                            bins_ = [first + p * kw * bin_stride, first + (mh - p) * kw * bin_stride]
                         for bw in range(kw):
                             e = e_w[bw]
                             for r, row in enumerate(row_sums):
@@ -123,43 +124,45 @@ def kernel_model(taps, shape, groups):
                                 ri = (e.real * row.imag).sum()
                                 ir = (e.imag * row.real).sum()
                                 at = bins_[r]
-                                out[at], out[at + group_cols] = rr - ii, ri + ir  # e row
+                                out[at], out[at + w_cols] = rr - ii, ri + ir  # e row
                                 if bd != 0:  # e conj(row): the other row's bin, shifted by mirror
                                     at = bins_[1 - r] + mirror
-                                    out[at], out[at + group_cols] = rr + ii, ir - ri
+                                    out[at], out[at + w_cols] = rr + ii, ir - ri
                             bins_ = [at_ + bin_stride for at_ in bins_]
-    return out.reshape(bins, groups, 2, group_cols)
+    return out.reshape(bins, rows, 2, w_cols)
 
 
-def reference(taps, groups):
+def reference(taps, rows):
     kd, kh, kw, cols = taps.shape
     padded = np.pad(taps, ((0, kd - 1), (0, kh - 1), (0, kw - 1), (0, 0)))
-    spectrum = np.fft.fftn(padded, axes=(0, 1, 2))[:, :, :kw].reshape(-1, groups, cols // groups)
+    spectrum = np.fft.fftn(padded, axes=(0, 1, 2))[:, :, :kw].reshape(-1, rows, cols // rows)
     return np.stack([spectrum.real, spectrum.imag], axis=2)
 
 
 if __name__ == "__main__":
     rng = np.random.default_rng(0)
     worst = 0.0
-    # (weight shape, groups, the chunk's first output channel and count): 65 columns (a last
+    # (weight shape, rows, the chunk's first output channel and count): 65 columns (a last
     # tile of one column); k'd k'h k'w = 125 (odd), 24 and 16 (even: a padded stride), 3 and
     # 1; k'h of 1, 5 and 10 (two pairs of h bins on warp 0 and 1: more pairs than warps);
     # chunks from channel 0 and past it (tiles across the weight's rows); tiles within one
     # row of odd k'd k'h k'w (one run: 2 of the second last weight's 3 tiles, all 6 of the
-    # last's); groups of 1 to 3.
+    # last's); complex rows of 1 to 3 (several channels' columns a row, as P n with P phases),
+    # and each case again with a row per channel (Ci: G Cig, the path's with one phase).
     cases = [((13, 5, 5, 5, 5), 1, 0, 5), ((4, 7, 3, 2, 4), 2, 2, 4), ((8, 3, 1, 3, 1), 1, 0, 3),
              ((6, 2, 2, 1, 8), 3, 1, 1), ((3, 24, 1, 10, 1), 3, 0, 24), ((40, 1, 1, 2, 8), 2, 0, 1),
              ((2, 50, 2, 2, 4), 1, 3, 40), ((2, 40, 3, 3, 3), 1, 0, 40), ((3, 64, 1, 3, 5), 2, 0, 64)]
-    for shape, groups, c0, n in cases:
+    for shape, some_rows, c0, n in cases:
         weight = rng.standard_normal(shape)
         stack = weight[:, c0:c0 + n].transpose(2, 3, 4, 0, 1).reshape(*shape[2:], -1)  # [k'd, k'h, k'w, Ci n]
-        expected = reference(stack, groups)
-        for name, taps in [("WeightTaps", WeightTaps(weight, c0, n)), ("StackTaps", StackTaps(stack))]:
-            model = kernel_model(taps, shape[2:], groups)
-            runs = f", tiles staged as one run: {taps.runs}" if name == "WeightTaps" else ""
-            assert not np.isnan(model).any(), f"{shape} {name}: a bin the model never wrote"
-            error = np.abs(model - expected).max()
-            print(f"weight {shape}, channels {c0}..{c0 + n - 1}, groups {groups}, {name}: "
-                  f"largest difference {error:.1e}{runs}")
-            worst = max(worst, error)
+        for rows in (some_rows, shape[0]):
+            expected = reference(stack, rows)
+            for name, taps in [("WeightTaps", WeightTaps(weight, c0, n)), ("StackTaps", StackTaps(stack))]:
+                model = kernel_model(taps, shape[2:], rows)
+                runs = f", tiles staged as one run: {taps.runs}" if name == "WeightTaps" else ""
+                assert not np.isnan(model).any(), f"{shape} {name}: a bin the model never wrote"
+                error = np.abs(model - expected).max()
+                print(f"weight {shape}, channels {c0}..{c0 + n - 1}, rows {rows}, {name}: "
+                      f"largest difference {error:.1e}{runs}")
+                worst = max(worst, error)
     assert worst < 1e-12, worst

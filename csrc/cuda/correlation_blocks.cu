@@ -1,8 +1,9 @@
 // The cross-spectrum path's last lag step (docs/math.md §3.5): R^ on the grid M from
 // the D stage's output Z^, R^(g, g_w) = P + P^H with
 // P = sum_{m_w} phases[g_w, m_w] (Z^(g, m_w) + conj(Z^(-g, m_w))),
-// written as the real blocks [[Re, -Im], [Im, Re]] that the contraction's real GEMM
-// takes. It replaces R' as a tensor (its real part, its mirrored lags), ATen's rfftn
+// written as complex values, each once (the contraction forms the real matrix it multiplies,
+// §3.5: the real blocks written here before moved 53 MB on the seed problem, each value
+// four times, and read back by the contraction as much). It replaces R' as a tensor (its real part, its mirrored lags), ATen's rfftn
 // of it and the copies around them (docs/performance.md). One thread per (g_d, g_h,
 // group, i, j) and chunk of g_w: it reads its entry and the transposed one at g and -g
 // once per m_w and writes the chunk's bins; staging the transposed entries through
@@ -26,7 +27,7 @@ constexpr int kBinChunk = 8;  // g_w bins per thread
 struct BlocksArgs {
   const double2* z;       // [Md, Mh, Mwh, G, Cig, Cig]
   const double2* phases;  // [Mwh (g_w), Mwh (m_w)]
-  double* out;            // [Md, Mh, Mwh, G, 2 Cig, 2 Cig]
+  double2* out;           // [Md, Mh, Mwh, G, Cig, Cig]
   int64_t md, mh, mwh, groups, cig, chunks;
 };
 
@@ -59,16 +60,11 @@ __global__ void __launch_bounds__(kThreads) correlation_blocks_kernel(BlocksArgs
       acc[k].y += pu.y + pv.y;
     }
   }
-  const int64_t side = 2 * a.cig;
 #pragma unroll
   for (int k = 0; k < kBinChunk; ++k) {
     const int64_t gw = gw0 + k;
     if (gw >= a.mwh) break;
-    double* block = a.out + ((gdh * a.mwh + gw) * a.groups + group) * side * side;
-    block[i * side + j] = acc[k].x;
-    block[i * side + a.cig + j] = -acc[k].y;
-    block[(a.cig + i) * side + j] = acc[k].y;
-    block[(a.cig + i) * side + a.cig + j] = acc[k].x;
+    a.out[(gdh * a.mwh + gw) * entries + ij] = acc[k];
   }
 }
 
@@ -88,15 +84,14 @@ at::Tensor correlation_blocks_cuda(const at::Tensor& z_hat, const at::Tensor& ph
   a.groups = z_hat.size(3);
   a.cig = z_hat.size(4);
   a.chunks = (a.mwh + kBinChunk - 1) / kBinChunk;
-  auto out = at::empty({a.md, a.mh, a.mwh, a.groups, 2 * a.cig, 2 * a.cig},
-                       z_hat.options().dtype(at::kDouble));
+  auto out = at::empty({a.md, a.mh, a.mwh, a.groups, a.cig, a.cig}, z_hat.options());
   const int64_t threads = a.md * a.mh * a.chunks * a.groups * a.cig * a.cig;
   const int64_t blocks = (threads + kThreads - 1) / kThreads;
   TORCH_CHECK(blocks < (int64_t(1) << 31), "ct_bn_pool: problem too large for the correlation's blocks (",
               to_str(threads), " entries)");
   a.z = reinterpret_cast<const double2*>(z_hat.data_ptr());
   a.phases = reinterpret_cast<const double2*>(phases.data_ptr());
-  a.out = out.data_ptr<double>();
+  a.out = reinterpret_cast<double2*>(out.data_ptr());
   if (threads > 0) {
     launch_overlapping(correlation_blocks_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads),
                        at::cuda::getCurrentCUDAStream(), a);

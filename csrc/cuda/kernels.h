@@ -79,7 +79,7 @@ at::Tensor quad_forms_mma_cuda(const at::Tensor& blocks, const at::Tensor& w_hat
 // values together (the weight), float32 or float64, are read in place where the block's
 // staging of them fits its shared memory; others as a float64 copy in [k'd, k'h, k'w, cols].
 at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
-                             const at::Tensor& dft_w, int64_t groups);
+                             const at::Tensor& dft_w, int64_t rows);
 // SpectrumKernels (x_spectrum.h): x_spectrum_dft.cu, and x_spectrum_copies.cu around cuFFT
 // where it does not apply (ATen's copies for other layouts).
 bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum,

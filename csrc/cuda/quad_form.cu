@@ -1,7 +1,7 @@
 // The cross-spectrum path's contraction (docs/math.md §3.5): for each column c of a
-// group (an output channel of a phase), sum over the kept bins g and the rows k of the
-// real and imaginary parts of W, [Re W; Im W], of mirror(g) W[g, k, c] V[g, k, c],
-// V = R^ W in the same real form: Re(W^H R^ W). On sm_90 quad_form_mma.cu does it all in one
+// group (an output channel of a phase), sum over the kept bins g and the rows k of W (the
+// real and imaginary parts of each channel's row, interleaved) of
+// mirror(g) W[g, k, c] V[g, k, c], V = B W, B R^'s real form in the same order: Re(W^H R^ W). On sm_90 quad_form_mma.cu does it all in one
 // kernel; elsewhere, or with FUSED_OPS_CONTRACTION=gemm, V is cuBLAS's batched product and
 // this file's kernel forms the sums. As ATen ops this was a product into a
 // temporary as large as W, two reductions and a scaling per chunk of columns (0.09 ms
@@ -98,16 +98,17 @@ at::Tensor forms_of_product(const at::Tensor& w_hat, const at::Tensor& v, const 
 
 at::Tensor quad_forms_cuda(const at::Tensor& blocks, const at::Tensor& w_hat, const at::Tensor& mirror) {
   const c10::cuda::CUDAGuard guard(w_hat.device());
-  TORCH_CHECK(w_hat.dim() == 6 && blocks.dim() == 6 && blocks.sizes().slice(0, 5) == w_hat.sizes().slice(0, 5) &&
-                  blocks.size(5) == w_hat.size(4) && w_hat.scalar_type() == at::kDouble &&
-                  blocks.scalar_type() == at::kDouble && mirror.scalar_type() == at::kDouble &&
+  TORCH_CHECK(w_hat.dim() == 6 && blocks.dim() == 6 && blocks.sizes().slice(0, 4) == w_hat.sizes().slice(0, 4) &&
+                  blocks.size(4) == blocks.size(5) && 2 * blocks.size(4) == w_hat.size(4) &&
+                  w_hat.scalar_type() == at::kDouble && blocks.scalar_type() == at::kComplexDouble &&
+                  mirror.scalar_type() == at::kDouble &&
                   mirror.dim() == 1 && mirror.size(0) == w_hat.size(2),
               "ct_bn_pool: quad_forms_cuda: inconsistent shapes or dtypes");
   // FUSED_OPS_CONTRACTION=gemm: the product and this file's kernel on sm_90 too.
   if (!route_forced("FUSED_OPS_CONTRACTION", "gemm") && quad_forms_mma_supported(blocks, w_hat)) {
     return quad_forms_mma_cuda(blocks, w_hat, mirror);
   }
-  return forms_of_product(w_hat, at::matmul(blocks, w_hat), mirror);
+  return forms_of_product(w_hat, at::matmul(interleaved_real_form(blocks), w_hat), mirror);
 }
 
 }  // namespace fused_ops

@@ -1,8 +1,13 @@
 // The cross-spectrum path's contraction as one kernel on the float64 tensor cores of sm_90
 // (docs/math.md §3.5, the fused contraction): per bin g, group and column c,
-// mirror(g) W[:, c]^T B W[:, c] with B = R^(g) in real blocks and W the sub-kernels' spectra
-// as [Re; Im]. The GEMM route writes V = B W (53 MB on the seed problem) and quad_form.cu
-// reads it back with W; here V stays in the MMAs' registers.
+// mirror(g) W[:, c]^T B W[:, c] with B the interleaved real form of R^(g) and W the
+// sub-kernels' spectra in the same row order. The GEMM route writes V = B W (53 MB on the seed
+// problem) and quad_form.cu reads it back with W; here V stays in the MMAs' registers.
+//
+// B is never stored: R^ comes as complex values (half the bytes of B: 26.5 MB on the seed
+// problem), staged 16 bytes each, and B's entries are formed as the MMA's A fragments are
+// loaded. A thread's fragment rows all have the parity of lane/4 and its columns that of
+// lane%4, so it always reads the same component of a staged value with the same sign.
 //
 // B is symmetric, so a block takes a tile p of 64 rows and a tile of 64 columns and forms
 // 2 sum_{q > p} B_pq w_q + B_pp w_p: it walks the chunks of 32 rows k of W from the last down
@@ -42,21 +47,22 @@ constexpr int kChunk = 32;                  // rows k of W, and columns of B, pe
 constexpr int kWarpTile = 32;               // rows and columns per warp
 constexpr int kRowBlocks = kWarpTile / 16;  // MMA tiles per warp: the MMA's M is 16...
 constexpr int kColTiles = kWarpTile / 8;    // ...and its N 8
-constexpr int kPitchB = kChunk + 4;         // = 4 (mod 16): a half-warp's fragment loads, 4 rows
-constexpr int kPitchW = kTile + 4;          // by 4 columns, fall in distinct banks
+constexpr int kPitchB = kChunk + 4;         // doubles; = 4 (mod 16): a warp's fragment loads of B,
+constexpr int kPitchW = kTile + 4;          // 4 complex rows by 4 doubles, and a half-warp's of W,
+                                            // 4 rows by 4 columns, fall in distinct banks
 // A warp's rows are one chunk of the block's tile, which the epilogue finds staged.
 static_assert(kTile == 2 * kChunk && kWarpTile == kChunk, "a block's tile is two chunks, a chunk a warp's rows");
 
 struct Stage {
-  double b[2][kTile][kPitchB];   // [buffer][row i][k - k0]
-  double w[2][kChunk][kPitchW];  // [buffer][k - k0][column]
-  double sums[2][kTile];         // [the warp's half of the rows][column]: the epilogue's
+  double b[2][kTile / 2][kPitchB];  // [buffer][i / 2][k - k0]: Re, Im of R^[i / 2, (k - k0) / 2]
+  double w[2][kChunk][kPitchW];     // [buffer][k - k0][column]
+  double sums[2][kTile];            // [the warp's half of the rows][column]: the epilogue's
 };
-constexpr int kSmemBytes = sizeof(Stage);  // 72704: three blocks per SM
-constexpr int kBlocksPerSm = 3;            // by kSmemBytes; a wave of them sizes the tail
+constexpr int kSmemBytes = sizeof(Stage);  // 54272
+constexpr int kBlocksPerSm = 3;            // by the registers (ptxas: 158); a wave of them sizes the tail
 
 struct FormArgs {
-  const double* b;       // [bins, G, R, R]: R^ in real blocks, R = 2 Cig
+  const double* b;       // [bins, G, Cig, 2 Cig]: R^'s complex values as doubles, R = 2 Cig
   const double* w;       // [bins, G, R, C]
   const double* mirror;  // [Mw]: weight of a bin by its last frequency index
   double* partial;       // [bins row_tiles, G, C]
@@ -95,15 +101,17 @@ __device__ __forceinline__ void copy_async(double* dst, const double* src, bool 
   }
 }
 
-// This thread's pieces of a staged chunk: the n-th of B's at b + k0 + n kStepB R (if n kStepB <
-// b_rows), of W's at w + (k0 + n kStepW) C (if n kStepW < R - k0 - w_row and w_column); where
-// they go: b_to + n kStepB kPitchB and w_to + n kStepW kPitchW in a buffer. The same pieces at
-// every chunk, so that only k0 varies in the loop.
+// This thread's pieces of a staged chunk: the n-th of R^'s (a complex value: B's real rows
+// 2i, 2i + 1 and columns 2k, 2k + 1, k0 doubles into a row of R = 2 Cig doubles) at
+// b + k0 + n kStepB R (if n kStepB < b_rows), of W's at w + (k0 + n kStepW) C (if
+// n kStepW < R - k0 - w_row and w_column); where they go: b_to + n kStepB kPitchB and
+// w_to + n kStepW kPitchW in a buffer. The same pieces at every chunk, so that only k0 varies
+// in the loop.
 template <int kWidth>
 struct Pieces {
-  static constexpr int kB = kTile * kChunk / 2 / kThreads, kW = kChunk * kTile / kWidth / kThreads;
+  static constexpr int kB = kTile / 2 * kChunk / 2 / kThreads, kW = kChunk * kTile / kWidth / kThreads;
   static constexpr int kStepB = kThreads / (kChunk / 2), kStepW = kThreads / (kTile / kWidth);  // rows
-  static_assert(kTile * kChunk / 2 % kThreads == 0 && kChunk * kTile / kWidth % kThreads == 0,
+  static_assert(kTile / 2 * kChunk / 2 % kThreads == 0 && kChunk * kTile / kWidth % kThreads == 0,
                 "pieces split evenly over the threads");
   const double *b, *w;
   int b_rows, b_column, w_row, b_to, w_to;
@@ -113,9 +121,9 @@ struct Pieces {
     const int r = threadIdx.x / (kChunk / 2), k = 2 * (threadIdx.x % (kChunk / 2));
     const int c = kWidth * (threadIdx.x % (kTile / kWidth));
     w_row = threadIdx.x / (kTile / kWidth);
-    b = b_pair + (row0 + r) * a.rows + k;
+    b = b_pair + (row0 / 2 + r) * a.rows + k;
     w = w_pair + w_row * a.cols + col0 + c;
-    b_rows = a.rows - row0 - r;
+    b_rows = (a.rows - row0) / 2 - r;
     b_column = k;
     w_column = col0 + c < a.cols;
     b_to = r * kPitchB + k;
@@ -124,9 +132,9 @@ struct Pieces {
 };
 
 // Issues, as one group, the copies of W's rows k0 .. k0 + kChunk - 1 (the block's columns)
-// and of those columns of B's rows of the block into buffer `buf`, zeros past R and C.
-// kWidth: values per copy of W, 2 where its rows (C values) keep 16-byte pieces whole, else 1;
-// R is even, so B's rows always do.
+// and of R^'s values at those columns of B and the block's rows into buffer `buf`, zeros past
+// R and C. kWidth: values per copy of W, 2 where its rows (C values) keep 16-byte pieces whole,
+// else 1.
 template <int kWidth>
 __device__ __forceinline__ void stage_chunk(const FormArgs& a, const Pieces<kWidth>& p, int k0, Stage& st, int buf) {
   using P = Pieces<kWidth>;
@@ -149,10 +157,19 @@ __device__ __forceinline__ void stage_chunk(const FormArgs& a, const Pieces<kWid
   asm volatile("cp.async.commit_group;\n" ::);
 }
 
+// The staged double of B's fragment element at row 2i + a, column 2k + b (i, k: the staged
+// complex value's row and column; a, b: the parities of lane/4 and lane%4, the same for all of
+// a thread's elements, mma_f64's A layout): Re R^ where a = b, Im where a = 1, b = 0 and -Im
+// where a = 0, b = 1. `sign` flips the last: the high word's sign bit, an integer operation.
+__device__ __forceinline__ double b_entry(const double* at, int sign) {
+  return __hiloint2double(__double2hiint(*at) ^ sign, __double2loint(*at));
+}
+
 // acc += the warp's 32 rows of B's staged chunk times its 32 columns of W's. bs: B's chunk
-// at this thread's fragment row (lane/4 of the warp's first) and column (lane%4); ws: W's at
+// at this thread's fragment row (lane/4 of the warp's first) and column (lane%4), the
+// component of R^'s staged value that holds it; sign: its sign bit (b_entry); ws: W's at
 // row lane%4 and column lane/4 of the warp's first (mma_f64's layouts).
-__device__ __forceinline__ void multiply_chunk(const double* bs, const double* ws,
+__device__ __forceinline__ void multiply_chunk(const double* bs, int sign, const double* ws,
                                                double (&acc)[kRowBlocks][kColTiles][4]) {
 #pragma unroll
   for (int k = 0; k < kChunk; k += kMmaK) {
@@ -160,7 +177,9 @@ __device__ __forceinline__ void multiply_chunk(const double* bs, const double* w
 #pragma unroll
     for (int m = 0; m < kRowBlocks; ++m) {
 #pragma unroll
-      for (int v = 0; v < kMmaK / 2; ++v) af[m][v] = bs[(16 * m + 8 * (v % 2)) * kPitchB + k + 4 * (v / 2)];
+      for (int v = 0; v < kMmaK / 2; ++v) {  // rows 16 m + 8 (v % 2), columns k + 4 (v / 2) further
+        af[m][v] = b_entry(bs + (8 * m + 4 * (v % 2)) * kPitchB + k + 4 * (v / 2), sign);
+      }
     }
 #pragma unroll
     for (int n = 0; n < kColTiles; ++n) {
@@ -204,11 +223,15 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) quad_form_mma_kernel(F
   const int bin = pair / a.groups, group = pair % a.groups;
   const double weight = a.mirror[bin % a.mw];  // loaded now, not after the last barrier
   const int row0 = kTile * row_tile, col0 = kTile * col_tile;
-  const double* b = a.b + int64_t(pair) * a.rows * a.rows;
+  const double* b = a.b + int64_t(pair) * (a.rows / 2) * a.rows;
   const double* w = a.w + int64_t(pair) * a.rows * a.cols;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const int half = warp / 2, wr = kWarpTile * half, wc = kWarpTile * (warp % 2);
   const bool active = row0 + wr < a.rows && col0 + wc < a.cols;  // else its V is zeros
+  // B's row wr + g and column t4 (b_entry): R^'s row (wr + g) / 2, column t4 / 2, its imaginary
+  // part where g and t4 differ in parity, negated where g is even and t4 odd.
+  const int b_at = (wr + g) / 2 * kPitchB + (t4 & 2) + ((g ^ t4) & 1);
+  const int b_sign = static_cast<int>(static_cast<unsigned>(~g & t4 & 1) << 31);
   const int chunks = (a.rows - row0 + kChunk - 1) / kChunk;
 
   const Pieces<kWidth> pieces(a, b, w, row0, col0);
@@ -227,7 +250,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm) quad_form_mma_kernel(F
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[m][n][e] *= 2;
     }
-    if (active) multiply_chunk(&st.b[buf][wr + g][t4], &st.w[buf][t4][wc + g], acc);
+    if (active) multiply_chunk(&st.b[buf][0][0] + b_at, b_sign, &st.w[buf][t4][wc + g], acc);
   }
 
   // The warp's rows are chunk `half`, staged last but `half` (two chunks when active).
@@ -269,7 +292,8 @@ int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
 bool quad_forms_mma_supported(const at::Tensor& blocks, const at::Tensor& w_hat) {
   const int64_t rows = w_hat.size(4), cols = w_hat.size(5), pairs = w_hat.numel() / std::max<int64_t>(rows * cols, 1);
   const int64_t alignment = cols % 2 == 0 ? 16 : 8;  // the copies of W: launch<2> or launch<1>
-  // Offsets within a (bin, group) pair are int, up to a tile past R and C, and so is the block index.
+  // Offsets within a (bin, group) pair are int, up to a tile past R and C (R^'s: R / 2 rows of R
+  // doubles), and so is the block index. R^'s values are copied 16 bytes at a time.
   if (w_hat.numel() == 0 || !blocks.is_contiguous() || !w_hat.is_contiguous() ||
       reinterpret_cast<std::uintptr_t>(blocks.data_ptr()) % 16 != 0 ||
       reinterpret_cast<std::uintptr_t>(w_hat.data_ptr()) % alignment != 0 ||
@@ -284,7 +308,7 @@ at::Tensor quad_forms_mma_cuda(const at::Tensor& blocks, const at::Tensor& w_hat
   const c10::cuda::CUDAGuard guard(w_hat.device());
   const at::Tensor m = mirror.contiguous();  // a no-op here
   FormArgs a;
-  a.b = blocks.data_ptr<double>();
+  a.b = reinterpret_cast<const double*>(blocks.data_ptr());  // complex128: Re, Im adjacent
   a.w = w_hat.data_ptr<double>();
   a.mirror = m.data_ptr<double>();
   a.rows = static_cast<int>(w_hat.size(4));

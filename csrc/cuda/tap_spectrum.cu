@@ -15,7 +15,9 @@
 // store addresses per bin, table re-reads, staging a k_h at a time); here the seed's 204800
 // threads take about 400 float64 operations each among about 1000 instructions (ptxas: 80
 // registers, 5 blocks of 5 warps per SM), and each store instruction writes one bin's
-// values of 32 adjacent columns (256 bytes).
+// values of 32 adjacent columns (256 bytes, where the tile lies within one complex row of W:
+// the seed problem's rows are 128 columns). The rows are a channel's real parts, then its
+// imaginary parts, channel after channel (the contraction's interleaved order, §3.5).
 // The taps come as the float64 stack (StackTaps, read where they lie: adjacent columns'
 // taps adjacent) or, with one phase, as the weight itself in its dtype (WeightTaps, each
 // tile's taps staged in shared memory): its cast and permuted copy were two ATen kernels of
@@ -49,8 +51,8 @@ struct TapArgs {
   const double2* dft_d;  // [md, kd], md = 2 kd - 1
   const double2* dft_h;  // [mh, kh], mh = 2 kh - 1
   const double2* dft_w;  // [kw, kw]: the M_w / 2 + 1 bins of a real DFT
-  double* out;           // [md, mh, kw, G, 2, cols / G]
-  int64_t cols, group_cols;
+  double* out;           // [md, mh, kw, rows, 2, cols / rows]
+  int64_t cols, w_cols;  // w_cols: a complex row's columns, its real parts' and imaginary parts' rows
   // WeightTaps: column col is (col / row_cols, col % row_cols) of the taps' last two dims,
   // whose strides these are
   int64_t row_cols, row_stride, col_stride;
@@ -266,8 +268,8 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) tap_spectrum_kernel(TapArgs<
   if (valid) depth_sums<kKw, Taps>(a, column, e_d, plane + lane, warp, warps);
   __syncthreads();
   if (!valid) return;
-  const int64_t group = quotient(col, a.group_cols, a.cols <= UINT32_MAX);
-  double* const out = a.out + col + group * a.group_cols;  // (bin 0, group, Re, the column in the group)
+  const int64_t row = quotient(col, a.w_cols, a.cols <= UINT32_MAX);
+  double* const out = a.out + col + row * a.w_cols;  // (bin 0, row, Re, the column in the row)
   const int64_t bin_stride = 2 * a.cols;
   const bool mirrored = bd != 0;  // b_d = 0 is its own mirror
   const int mh = a.mh, mirror_d = mirrored ? a.md - bd : 0;
@@ -278,10 +280,10 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) tap_spectrum_kernel(TapArgs<
     // rows p and M_h - p of b_d, whose mirrors are -p = M_h - p and p of M_d - b_d
     if (p == 0) {
       double* const bins[2] = {rows, rows};
-      h_and_w_sums<kKw, false>(plane + lane, e_h, kh, e_w, bins, mirror, bin_stride, a.group_cols, mirrored);
+      h_and_w_sums<kKw, false>(plane + lane, e_h, kh, e_w, bins, mirror, bin_stride, a.w_cols, mirrored);
     } else {
       double* const bins[2] = {rows + p * kKw * bin_stride, rows + (mh - p) * kKw * bin_stride};
-      h_and_w_sums<kKw, true>(plane + lane, e_h + p * kh, kh, e_w, bins, mirror, bin_stride, a.group_cols,
+      h_and_w_sums<kKw, true>(plane + lane, e_h + p * kh, kh, e_w, bins, mirror, bin_stride, a.w_cols,
                               mirrored);
     }
   }
@@ -338,7 +340,7 @@ bool in_place(const at::Tensor& taps) {
 
 template <typename Source>
 TapArgs<Source> tap_args(const at::Tensor& taps, const at::Tensor& ed, const at::Tensor& eh, const at::Tensor& ew,
-                         int64_t groups) {
+                         int64_t rows) {
   TapArgs<Source> a;
   a.taps = taps.data_ptr<Source>();
   a.dft_d = reinterpret_cast<const double2*>(ed.data_ptr());
@@ -348,7 +350,7 @@ TapArgs<Source> tap_args(const at::Tensor& taps, const at::Tensor& ed, const at:
   a.row_stride = taps.stride(3);
   a.col_stride = taps.stride(4);
   a.cols = taps.size(3) * a.row_cols;
-  a.group_cols = a.cols / groups;
+  a.w_cols = a.cols / rows;
   a.kd = static_cast<int>(taps.size(0));
   a.kh = static_cast<int>(taps.size(1));
   a.md = static_cast<int>(ed.size(0));
@@ -359,16 +361,16 @@ TapArgs<Source> tap_args(const at::Tensor& taps, const at::Tensor& ed, const at:
 // The spectra by tap_spectrum_kernel from taps laid out as Taps reads them.
 template <typename Taps>
 at::Tensor spectrum(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h, const at::Tensor& dft_w,
-                    int64_t groups) {
+                    int64_t rows) {
   const at::Tensor ed = dft_d.contiguous(), eh = dft_h.contiguous(), ew = dft_w.contiguous();
-  TapArgs<typename Taps::Source> a = tap_args<typename Taps::Source>(taps, ed, eh, ew, groups);
+  TapArgs<typename Taps::Source> a = tap_args<typename Taps::Source>(taps, ed, eh, ew, rows);
   const int64_t tiles = (a.cols + kTile - 1) / kTile;
   TORCH_CHECK(tiles < (int64_t(1) << 31) && a.kd < 65536,
               "ct_bn_pool: problem too large for the sub-kernels' spectra (", to_str(a.cols), " columns, ",
               to_str(int64_t(a.kd)), " depth taps)");
   const int64_t kw = taps.size(2);
   const at::Tensor out =
-      at::empty({int64_t(a.md) * a.mh * kw, groups, 2, a.group_cols}, taps.options().dtype(at::kDouble));
+      at::empty({int64_t(a.md) * a.mh * kw, rows, 2, a.w_cols}, taps.options().dtype(at::kDouble));
   a.out = out.data_ptr<double>();
   if (out.numel() > 0) {
     // the depth bins b_d <= M_d / 2 (the others are their mirrors); a warp per pair of h bins
@@ -382,8 +384,8 @@ at::Tensor spectrum(const at::Tensor& taps, const at::Tensor& dft_d, const at::T
 }  // namespace
 
 at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
-                             const at::Tensor& dft_w, int64_t groups) {
-  TORCH_CHECK(taps.dim() == 5 && (taps.size(3) * taps.size(4)) % groups == 0 &&
+                             const at::Tensor& dft_w, int64_t rows) {
+  TORCH_CHECK(taps.dim() == 5 && (taps.size(3) * taps.size(4)) % rows == 0 &&
                   dft_d.scalar_type() == at::kComplexDouble && dft_h.scalar_type() == at::kComplexDouble &&
                   dft_w.scalar_type() == at::kComplexDouble && dft_d.size(1) == taps.size(0) &&
                   dft_d.size(0) == 2 * taps.size(0) - 1 && dft_h.size(1) == taps.size(1) &&
@@ -393,12 +395,12 @@ at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, co
   // the kernel's tables: M_h = 2 k'h - 1 bins of h (pairs p, M_h - p) and the k'w of a real DFT of w
   const bool tables = dft_h.size(0) == 2 * kh - 1 && dft_w.size(0) == kw;
   if (!tables || kw > kMaxKw || kh * kw > kMaxPlaneTaps || smem_bytes<StackTaps>(taps) > kMaxStackSmem) {
-    return tap_spectrum_aten(taps, dft_d, dft_h, dft_w, groups);
+    return tap_spectrum_aten(taps, dft_d, dft_h, dft_w, rows);
   }
   const c10::cuda::CUDAGuard guard(taps.device());
-  if (in_place<float>(taps)) return spectrum<WeightTaps<float>>(taps, dft_d, dft_h, dft_w, groups);
-  if (in_place<double>(taps)) return spectrum<WeightTaps<double>>(taps, dft_d, dft_h, dft_w, groups);
-  return spectrum<StackTaps>(taps.to(at::kDouble).contiguous(), dft_d, dft_h, dft_w, groups);
+  if (in_place<float>(taps)) return spectrum<WeightTaps<float>>(taps, dft_d, dft_h, dft_w, rows);
+  if (in_place<double>(taps)) return spectrum<WeightTaps<double>>(taps, dft_d, dft_h, dft_w, rows);
+  return spectrum<StackTaps>(taps.to(at::kDouble).contiguous(), dft_d, dft_h, dft_w, rows);
 }
 
 }  // namespace fused_ops
