@@ -427,8 +427,9 @@ at::Tensor group_values_energy(const at::Tensor& x, const at::Tensor& w, const C
 // sum over the problem's regions of (y - m)^2 per channel [Co], m the crop's sample means
 // [B, G, 1, Cog]: each of its (sample, side, output plane) slices' own centred energy plus
 // its count times the square of its mean's distance from m. The problem's output channels
-// are (side, group, output plane, co), `sides` regions side by side (plane_groups).
-at::Tensor region_energy(const Backend& backend, const at::Tensor& x, const at::Tensor& w,
+// are (side, group, output plane, co), `sides` regions side by side (plane_groups); `algo`
+// the path for its energy.
+at::Tensor region_energy(const Backend& backend, EnergyAlgo algo, const at::Tensor& x, const at::Tensor& w,
                          const ConvGeometry& sub, const at::Tensor& crop_means, int64_t sides,
                          int64_t planes_out) {
   const SampleSumTensors sums = backend.sample_sums(x, w);
@@ -436,7 +437,6 @@ at::Tensor region_energy(const Backend& backend, const at::Tensor& x, const at::
   const double n = static_cast<double>(sub.out_spatial());
   const auto means = sample_conv_sums(sums, sub).view({sub.batch, sides, G, planes_out, cog}).div_(n);
   auto total = means.sub_(crop_means.unsqueeze(1)).square_().sum(at::IntArrayRef{0, 1, 3}).mul_(n);
-  const EnergyAlgo algo = backend.auto_energy_algo(sub, x.scalar_type());
   const auto e = energy_of(backend, algo, x, w, sums, sub);
   total.add_(e.sum(at::IntArrayRef{0, 2}).view({sides, G, planes_out, cog}).sum(at::IntArrayRef{0, 2}));
   return total.view({G * cog});
@@ -475,14 +475,20 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
   const auto crop_means = sample_conv_sums(sums, g)
                               .div_(static_cast<double>(g.out_spatial()))
                               .view({g.batch, g.groups, 1, g.out_group_channels()});
-  auto energy = region_energy(backend, x, weight, full, crop_means, 1, 1);  // the full grid's term
+  const at::ScalarType dtype = x.scalar_type();
+  // The full grid's term, then those of the planes and of the lines and corners (§3.6).
+  auto energy = region_energy(backend, backend.auto_energy_algo(full, dtype), x, weight, full, crop_means, 1, 1);
   for (const PlaneGroup& pg : tables.planes) {
     const Region& r = rs[pg.members[0]];
     const int64_t sides = static_cast<int64_t>(pg.members.size());
     const ConvGeometry sub = plane_group_geometry(full, r, sides);
     const at::Tensor xs = region_input(x, rs, pg.members, sub);
     const at::Tensor ws = region_weight(weight, g, pg.pick, sub);
-    energy.sub_(region_energy(backend, xs, ws, sub, crop_means, sides, r.planes_out()));  // one cut dim
+    // The path `auto` takes for one region alone, so that grouping changes how many problems
+    // run, not their products: the paths apply by the spatial geometry, but auto's thresholds
+    // on work would move some (pad2's d and w planes from fft to cross_spectrum; not measured).
+    const EnergyAlgo algo = backend.auto_energy_algo(region_geometry(full, r), dtype);
+    energy.sub_(region_energy(backend, algo, xs, ws, sub, crop_means, sides, r.planes_out()));
   }
   for (const ValueGroup& vg : tables.groups) {
     const Region& r = rs[vg.members[0]];
