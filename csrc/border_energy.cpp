@@ -6,7 +6,8 @@
 // the cut dims folded into the channels, with a weight whose taps in those dims are
 // picked per (input plane, output plane) pair; its energy comes from the path `auto`
 // picks for it and its sums from the padding-0 reductions; plane regions of one problem
-// shape (both sides of a symmetric cut) are one problem, side by side as channel groups.
+// shape (both sides of a symmetric cut, dims alike) are one problem, side by side as
+// channel groups.
 // Every region's terms are centred on the crop's sample means (float64) before they are
 // added.
 #include "ct_bn_pool.h"
