@@ -5,8 +5,11 @@
 // cut corners. Each of those regions is itself a padding-0 problem: x's edge planes,
 // the cut dims folded into the channels, with a weight whose taps in those dims are
 // picked per (input plane, output plane) pair; its energy comes from the path `auto`
-// picks for it and its sums from the padding-0 reductions. Every region's terms are
-// centred on the crop's sample means (float64) before they are added.
+// picks for it and its sums from the padding-0 reductions; plane regions of one problem
+// shape (both sides of a symmetric cut, dims alike) are one problem, side by side as
+// channel groups.
+// Every region's terms are centred on the crop's sample means (float64) before they are
+// added.
 #include "ct_bn_pool.h"
 
 #include <algorithm>
@@ -121,9 +124,9 @@ ConvGeometry region_geometry(const ConvGeometry& full, const Region& r) {
   return sub;
 }
 
-// x's planes of the region, [B, Ci * planes_in, sizes of sub]: the cut dims moved next to
+// x's planes of the region, [B, Ci, planes_in, sizes of sub]: the cut dims moved next to
 // the channels, the others in the region's order.
-at::Tensor region_input(const at::Tensor& x, const Region& r, const ConvGeometry& sub) {
+at::Tensor region_planes(const at::Tensor& x, const Region& r, const ConvGeometry& sub) {
   at::Tensor t = x;
   std::vector<int64_t> order = {0, 1};
   for (int d = 0; d < 3; ++d) {
@@ -136,7 +139,20 @@ at::Tensor region_input(const at::Tensor& x, const Region& r, const ConvGeometry
     if (!r.cut[d]) order.push_back(2 + d);
   }
   return t.permute(order).reshape(
-      {sub.batch, sub.in_channels, sub.in_size[0], sub.in_size[1], sub.in_size[2]});
+      {sub.batch, x.size(1), r.planes_in(), sub.in_size[0], sub.in_size[1], sub.in_size[2]});
+}
+
+// The input of a problem that holds the regions `members` (of one problem shape) as
+// channel groups: [B, sides Ci planes_in, sizes of sub], side-major, so that each (side,
+// group) is one block of channels.
+at::Tensor region_input(const at::Tensor& x, const std::vector<Region>& rs,
+                        const std::vector<size_t>& members, const ConvGeometry& sub) {
+  const std::array<int64_t, 5> shape = {sub.batch, sub.in_channels, sub.in_size[0], sub.in_size[1],
+                                        sub.in_size[2]};
+  if (members.size() == 1) return region_planes(x, rs[members[0]], sub).reshape(shape);
+  std::vector<at::Tensor> sides;
+  for (const size_t k : members) sides.push_back(region_planes(x, rs[k], sub));
+  return at::stack(sides, 1).view(shape);
 }
 
 // Which tap of the weight each entry of the region's weight takes, and whether it takes
@@ -236,25 +252,37 @@ struct ValueGroup {
   at::Tensor columns;           // [F, k]: im2col_columns of their (common) problem
 };
 
+// The regions that `admit` takes, grouped by equal `key` (in the order of their first
+// members), each group's members in region order.
+template <typename Admit, typename Key>
+std::vector<std::vector<size_t>> group_regions(const std::vector<Region>& rs, Admit admit, Key key) {
+  std::vector<std::vector<size_t>> groups;
+  std::vector<std::vector<int64_t>> keys;
+  for (size_t k = 0; k < rs.size(); ++k) {
+    if (!admit(rs[k])) continue;
+    const std::vector<int64_t> kk = key(rs[k]);
+    const auto at = std::find(keys.begin(), keys.end(), kk);
+    if (at == keys.end()) {
+      keys.push_back(kk);
+      groups.push_back({k});
+    } else {
+      groups[at - keys.begin()].push_back(k);
+    }
+  }
+  return groups;
+}
+
 std::vector<ValueGroup> value_groups(const ConvGeometry& g, const ConvGeometry& full,
                                      const std::vector<Region>& rs, const at::TensorOptions& opts) {
   std::vector<ValueGroup> groups;
-  std::vector<std::vector<int64_t>> keys;
-  for (size_t k = 0; k < rs.size(); ++k) {
-    if (!values_pay(rs[k])) continue;
+  const auto members = group_regions(rs, values_pay, [](const Region& r) {
     std::vector<int64_t> key;
     for (int d = 0; d < 3; ++d) {
-      key.insert(key.end(), {rs[k].cut[d], rs[k].cut[d] ? rs[k].side[d].ni : 0,
-                             rs[k].cut[d] ? rs[k].side[d].nj : 0});
+      key.insert(key.end(), {r.cut[d], r.cut[d] ? r.side[d].ni : 0, r.cut[d] ? r.side[d].nj : 0});
     }
-    const auto at = std::find(keys.begin(), keys.end(), key);
-    if (at == keys.end()) {
-      keys.push_back(key);
-      groups.push_back({{k}, {}, {}, {}, {}});
-    } else {
-      groups[at - keys.begin()].members.push_back(k);
-    }
-  }
+    return key;
+  });
+  for (const std::vector<size_t>& m : members) groups.push_back({m, {}, {}, {}, {}});
   for (ValueGroup& vg : groups) {
     std::vector<at::Tensor> positions, index, mask;
     for (const size_t k : vg.members) {
@@ -275,8 +303,41 @@ std::vector<ValueGroup> value_groups(const ConvGeometry& g, const ConvGeometry& 
   return groups;
 }
 
+// The plane regions (one cut dim, all of sign -1) grouped by their problem's shape: both
+// sides of a dim's cut where their plane counts are equal (no output padding in that dim),
+// and the dims whose problems match after Region::order() (D and H alike). Each group is
+// one padding-0 problem, its members side by side as channel groups (docs/math.md §3.6): a
+// problem's pipeline issues hundreds of ATen ops and, on CUDA, dozens of launches, whatever
+// its channels; its work is the members' together.
+std::vector<std::vector<size_t>> plane_groups(const ConvGeometry& full, const std::vector<Region>& rs) {
+  return group_regions(rs, [](const Region& r) { return r.dims() == 1; }, [&](const Region& r) {
+    const ConvGeometry sub = region_geometry(full, r);
+    std::vector<int64_t> key = {r.planes_in(), r.planes_out()};
+    for (int q = 0; q < 3; ++q) {
+      key.insert(key.end(), {sub.in_size[q], sub.out_size[q], sub.kernel[q], sub.stride[q],
+                             sub.dilation[q], sub.output_padding[q]});
+    }
+    return key;
+  });
+}
+
+// The problem of a plane group: its members' problem with `sides` times the channel groups,
+// so that each member's input channels reach only its own output channels.
+ConvGeometry plane_group_geometry(const ConvGeometry& full, const Region& r, int64_t sides) {
+  ConvGeometry sub = region_geometry(full, r);
+  sub.in_channels *= sides;
+  sub.out_channels *= sides;
+  sub.groups *= sides;
+  return sub;
+}
+
+struct PlaneGroup {
+  std::vector<size_t> members;  // indices into the regions, in region order
+  TapPick pick;                 // the members' TapPicks stacked: [members, planes..., taps...]
+};
+
 struct RegionTables {
-  std::vector<TapPick> picks;     // per region; undefined for the value groups' members
+  std::vector<PlaneGroup> planes;
   std::vector<ValueGroup> groups;
 };
 
@@ -291,29 +352,33 @@ RegionTables region_tables(const Backend& backend, const ConvGeometry& g, const 
   }
   return cache->get(std::move(key), w.device(), backend.table_stream(w.device()), [&] {
     RegionTables tables;
-    for (const Region& r : rs) {
-      tables.picks.push_back(values_pay(r) || r.dims() == 0 ? TapPick{} : tap_pick(g, r, w.options()));
+    for (std::vector<size_t>& members : plane_groups(full, rs)) {
+      std::vector<at::Tensor> index, mask;
+      for (const size_t k : members) {
+        const TapPick pick = tap_pick(g, rs[k], w.options());
+        index.push_back(pick.index);
+        mask.push_back(pick.mask);
+      }
+      tables.planes.push_back({std::move(members), {at::stack(index), at::stack(mask)}});
     }
     tables.groups = value_groups(g, full, rs, w.options());
     return tables;
   });
 }
 
-// The region's weight [Ci * planes_in, planes_out * Cog, kernel of sub]: weight[ci, co, t]
-// at the tap each (input plane, output plane) pair of the cut dims takes, 0 where none.
-at::Tensor region_weight(const at::Tensor& w, const ConvGeometry& g, const Region& r,
-                         const TapPick& pick, const ConvGeometry& sub) {
+// The weight of a plane group's problem [sides Ci planes_in, planes_out Cog, kernel of sub]:
+// each member's weight[ci, co, t] at the tap each (input plane, output plane) pair of its
+// cut dim takes, 0 where none; side-major, as region_input's channels.
+at::Tensor region_weight(const at::Tensor& w, const ConvGeometry& g, const TapPick& pick,
+                         const ConvGeometry& sub) {
   const int64_t cog = g.out_group_channels();
-  const int cut_dims = r.dims();
   auto picked = w.view({g.in_channels, cog, g.taps()}).index_select(2, pick.index.flatten());
   std::vector<int64_t> shape = {g.in_channels, cog};
   shape.insert(shape.end(), pick.index.sizes().begin(), pick.index.sizes().end());
   picked = picked.view(shape).mul_(pick.mask);
-  // [ci, co, in planes, out planes, taps] -> [ci, in planes, out planes, co, taps]
-  std::vector<int64_t> order = {0};
-  for (int a = 0; a < 2 * cut_dims; ++a) order.push_back(2 + a);
-  order.push_back(1);
-  for (int a = 2 * cut_dims; a < pick.index.dim(); ++a) order.push_back(2 + a);
+  // [ci, co, sides, in planes, out planes, taps] -> [sides, ci, in planes, out planes, co, taps]
+  std::vector<int64_t> order = {2, 0, 3, 4, 1};
+  for (int64_t a = 3; a < pick.index.dim(); ++a) order.push_back(2 + a);
   return picked.permute(order).reshape({sub.in_channels, sub.out_group_channels(), sub.kernel[0],
                                         sub.kernel[1], sub.kernel[2]});
 }
@@ -360,19 +425,21 @@ at::Tensor group_values_energy(const at::Tensor& x, const at::Tensor& w, const C
   return total.view({G * cog});
 }
 
-// sum over the region of (y - m)^2 per channel [Co], m the crop's sample means [B, G, 1, Cog]:
-// each of its (sample, output plane) slices' own centred energy plus its count times the
-// square of its mean's distance from m.
-at::Tensor region_energy(const Backend& backend, const at::Tensor& x, const at::Tensor& w,
-                         const ConvGeometry& sub, const at::Tensor& crop_means, int64_t planes_out) {
+// sum over the problem's regions of (y - m)^2 per channel [Co], m the crop's sample means
+// [B, G, 1, Cog]: each of its (sample, side, output plane) slices' own centred energy plus
+// its count times the square of its mean's distance from m. The problem's output channels
+// are (side, group, output plane, co), `sides` regions side by side (plane_groups); `algo`
+// the path for its energy.
+at::Tensor region_energy(const Backend& backend, EnergyAlgo algo, const at::Tensor& x, const at::Tensor& w,
+                         const ConvGeometry& sub, const at::Tensor& crop_means, int64_t sides,
+                         int64_t planes_out) {
   const SampleSumTensors sums = backend.sample_sums(x, w);
-  const int64_t G = sub.groups, cog = sub.out_group_channels() / planes_out;
+  const int64_t G = sub.groups / sides, cog = sub.out_group_channels() / planes_out;
   const double n = static_cast<double>(sub.out_spatial());
-  const auto means = sample_conv_sums(sums, sub).view({sub.batch, G, planes_out, cog}).div_(n);
-  auto total = means.sub_(crop_means).square_().sum(at::IntArrayRef{0, 2}).mul_(n);
-  const EnergyAlgo algo = backend.auto_energy_algo(sub, x.scalar_type());
+  const auto means = sample_conv_sums(sums, sub).view({sub.batch, sides, G, planes_out, cog}).div_(n);
+  auto total = means.sub_(crop_means.unsqueeze(1)).square_().sum(at::IntArrayRef{0, 1, 3}).mul_(n);
   const auto e = energy_of(backend, algo, x, w, sums, sub);
-  total.add_(e.sum(at::IntArrayRef{0, 2}).view({G, planes_out, cog}).sum(1));
+  total.add_(e.sum(at::IntArrayRef{0, 2}).view({sides, G, planes_out, cog}).sum(at::IntArrayRef{0, 2}));
   return total.view({G * cog});
 }
 
@@ -380,11 +447,18 @@ at::Tensor region_energy(const Backend& backend, const at::Tensor& x, const at::
 
 int64_t border_weight_bytes(const ConvGeometry& g) {
   const ConvGeometry full = full_geometry(g);
+  const std::vector<Region> rs = regions(g, full);
   int64_t most = 0;
-  for (const Region& r : regions(g, full)) {
-    const ConvGeometry sub = region_geometry(full, r);
-    const int64_t entries = sub.in_channels * sub.out_group_channels() * sub.taps();
-    most = std::max<int64_t>(most, entries * (values_pay(r) ? 8 : 4));
+  const auto bytes = [](const ConvGeometry& sub, int64_t size) {
+    return sub.in_channels * sub.out_group_channels() * sub.taps() * size;
+  };
+  for (const Region& r : rs) {
+    if (r.dims() != 1) most = std::max<int64_t>(most, bytes(region_geometry(full, r), values_pay(r) ? 8 : 4));
+  }
+  // A plane group's weight holds all its members'.
+  for (const std::vector<size_t>& members : plane_groups(full, rs)) {
+    const int64_t sides = static_cast<int64_t>(members.size());
+    most = std::max<int64_t>(most, bytes(plane_group_geometry(full, rs[members[0]], sides), 4));
   }
   return most;
 }
@@ -402,16 +476,20 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
   const auto crop_means = sample_conv_sums(sums, g)
                               .div_(static_cast<double>(g.out_spatial()))
                               .view({g.batch, g.groups, 1, g.out_group_channels()});
-  auto energy = at::zeros({g.out_channels}, x.options().dtype(at::kDouble));
-  for (size_t k = 0; k < rs.size(); ++k) {
-    const Region& r = rs[k];
-    if (values_pay(r)) continue;  // in the value groups below
-    const ConvGeometry sub = region_geometry(full, r);
-    const bool whole = r.dims() == 0;
-    const at::Tensor xs = whole ? x : region_input(x, r, sub);
-    const at::Tensor ws = whole ? weight : region_weight(weight, g, r, tables.picks[k], sub);
-    const auto term = region_energy(backend, xs, ws, sub, crop_means, r.planes_out());
-    energy.add_(term, r.dims() % 2 == 0 ? 1.0 : -1.0);
+  const at::ScalarType dtype = x.scalar_type();
+  // The full grid's term, then those of the planes and of the lines and corners (§3.6).
+  auto energy = region_energy(backend, backend.auto_energy_algo(full, dtype), x, weight, full, crop_means, 1, 1);
+  for (const PlaneGroup& pg : tables.planes) {
+    const Region& r = rs[pg.members[0]];
+    const int64_t sides = static_cast<int64_t>(pg.members.size());
+    const ConvGeometry sub = plane_group_geometry(full, r, sides);
+    const at::Tensor xs = region_input(x, rs, pg.members, sub);
+    const at::Tensor ws = region_weight(weight, g, pg.pick, sub);
+    // The path `auto` takes for one region alone, so that grouping changes how many problems
+    // run, not their products: the paths apply by the spatial geometry, but auto's thresholds
+    // on work would move some (pad2's d and w planes from fft to cross_spectrum; not measured).
+    const EnergyAlgo algo = backend.auto_energy_algo(region_geometry(full, r), dtype);
+    energy.sub_(region_energy(backend, algo, xs, ws, sub, crop_means, sides, r.planes_out()));
   }
   for (const ValueGroup& vg : tables.groups) {
     const Region& r = rs[vg.members[0]];

@@ -146,8 +146,9 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
 // [B, Co] double: each sample's conv sum (bias excluded) from the reductions `sums`, the
 // contraction of sample_sums.h as ATen ops.
 at::Tensor sample_conv_sums(const SampleSumTensors& sums, const ConvGeometry& g);
-// Bytes of the largest weight energy_border forms for one of its terms: the cut dims' planes
-// fold into both channel counts, so it grows as Ci Co (ceil(p / s) p)^cut dims.
+// Bytes of the largest weight energy_border forms for one of its terms (a plane problem's
+// holds all its regions' weights): the cut dims' planes fold into both channel counts, so it
+// grows as Ci Co (ceil(p / s) p)^cut dims.
 int64_t border_weight_bytes(const ConvGeometry& g);
 // The share of the padding-0 grid's positions that the crop keeps (1 without padding).
 double crop_fraction(const ConvGeometry& g);

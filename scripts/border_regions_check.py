@@ -1,6 +1,7 @@
 """GPU time of algo='border''s plane problems (docs/math.md §3.6) under each padding-0 path,
-for choosing the path a region takes: the three dims' plane problems of a bench padded problem
-(default pad2), run through the op as the padding-0 problems they are.
+for choosing the path a region takes: the plane problems of a bench padded problem (default
+pad2; both sides of each dim's cut as two channel groups, the dims alike in one problem), run
+through the op as the padding-0 problems they are.
 
     python scripts/border_regions_check.py [--problem NAME] [--algos fft,cross_spectrum,sliced_conv]
 
@@ -21,15 +22,19 @@ from bench_ct_bn_pool import CUDA_PROBLEMS, CudaClock, conv_options  # noqa: E40
 
 
 def plane_problems(name):
-    """(label, x shape, weight shape) of the low side's plane problem of each cut dim, the
-    layout border_energy.cpp gives them (a cut depth swapped with the height)."""
+    """(label, x shape, weight shape, groups) of each plane problem, the layout
+    border_energy.cpp gives them (a cut depth swapped with the height; each side of a cut, of
+    each dim of one shape, a channel group)."""
     batch, ci, co, d, h, w, k = CUDA_PROBLEMS[name]
     p, s = conv_options(name)["padding"], conv_options(name)["stride"]
     n = -(-p // s)  # input planes reaching the p cut planes
     ci2, co2 = ci * n, co * p
-    return [("d", (batch, ci2, h, 1, w), (ci2, co2, k, 1, k)),
-            ("h", (batch, ci2, d, 1, w), (ci2, co2, k, 1, k)),
-            ("w", (batch, ci2, d, h, 1), (ci2, co2, k, k, 1))]
+    sides = {}  # (x's sizes, the weight's taps) -> the dims of that shape
+    for label, sizes, taps in (("d", (h, 1, w), (k, 1, k)), ("h", (d, 1, w), (k, 1, k)),
+                               ("w", (d, h, 1), (k, k, 1))):
+        sides.setdefault((sizes, taps), []).append(label)
+    return [("".join(dims), (batch, 2 * len(dims) * ci2) + sizes, (2 * len(dims) * ci2, co2) + taps,
+             2 * len(dims)) for (sizes, taps), dims in sides.items()]
 
 
 def main():
@@ -38,7 +43,7 @@ def main():
     parser.add_argument("--algos", default="fft,cross_spectrum,sliced_conv")
     args = parser.parse_args()
     clock = CudaClock()
-    for label, x_shape, w_shape in plane_problems(args.problem):
+    for label, x_shape, w_shape, groups in plane_problems(args.problem):
         inputs = [torch.randn(x_shape, device="cuda") for _ in range(4)]
         next_input = itertools.cycle(inputs).__next__
         weight = torch.randn(w_shape, device="cuda")
@@ -46,10 +51,11 @@ def main():
         for algo in args.algos.split(","):
             def call(x):
                 return fused_ops.ct_bn_pool(x, weight, None, 2.0, None, None, None, None, True,
-                                            0.1, 1e-5, algo=algo)
+                                            0.1, 1e-5, groups=groups, algo=algo)
             with torch.no_grad():
                 row.append(f"{algo} {clock.measure(call, next_input, 10).ms:.3f}")
-        print(f"{args.problem} plane {label}: x {list(x_shape)}, weight {list(w_shape)}: "
+        print(f"{args.problem} planes {label}: x {list(x_shape)}, weight {list(w_shape)}, "
+              f"groups {groups}: "
               + ", ".join(row) + " ms")
 
 

@@ -3,7 +3,9 @@ minus that of the planes the padding cuts, by inclusion–exclusion over the dim
 padding-0 problem on x's edge planes. Forced on padded problems of every geometry (padding
 in one, two and three dims, strides, dilation, output padding below, at and above the
 padding, groups, kernels larger than the input) against PyTorch's modules in float64, over
-several steps; refused with a clear error, and nothing changed, without padding."""
+several steps; the plane regions of one problem shape (both sides of a cut without output
+padding, dims alike) are one problem, counted; refused with a clear error, and nothing
+changed, without padding."""
 import math
 
 import pytest
@@ -29,6 +31,10 @@ PROBLEMS = [
     # padding larger than the kernel's overhang: the crop cuts into the input's own span
     Problem(2, 3, 5, (3, 4, 3), (4, 4, 4), conv_kwargs=dict(padding=(2, 3, 2))),
     Problem(3, 2, 2, (1, 1, 1), (3, 3, 3), conv_kwargs=dict(padding=1)),
+    # D and H alike: their four sides' plane regions one problem, of 4 x 2 channel groups
+    Problem(2, 4, 6, (4, 4, 5), (3, 3, 2), conv_kwargs=dict(padding=1, groups=2)),
+    # output padding leaves the high sides one plane where the low ones have two: each its own
+    Problem(2, 3, 4, (4, 5, 6), (3, 3, 3), conv_kwargs=dict(dilation=2, padding=2, output_padding=1)),
     # the bench's padded problems, smaller: "same" padding of a 5-tap and a 3-tap kernel
     Problem(4, 16, 24, (6, 8, 8), (5, 5, 5), conv_kwargs=dict(padding=2)),
     Problem(5, 32, 32, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1)),
@@ -74,6 +80,27 @@ def test_crop_fraction():
     t8pad1 = Problem(8, 32, 32, (8, 8, 8), (3, 3, 3), conv_kwargs=dict(padding=1))
     assert math.isclose(crop_fraction(pad2), 16 * 32 * 32 / (20 * 36 * 36))
     assert math.isclose(crop_fraction(t8pad1), 8 ** 3 / 10 ** 3)
+
+
+@pytest.mark.parametrize("problem, plane_problems", [
+    # each dim's two sides one problem
+    (Problem(2, 3, 4, (4, 5, 6), (3, 3, 3), conv_kwargs=dict(padding=1)), 3),
+    # D and H alike (after Region::order()): their four sides one problem
+    (Problem(2, 3, 4, (5, 5, 6), (3, 3, 3), conv_kwargs=dict(padding=1)), 2),
+    # unequal sides (output padding): every side its own problem
+    (Problem(2, 3, 4, (4, 5, 6), (3, 3, 3), conv_kwargs=dict(dilation=2, padding=2, output_padding=1)), 6),
+], ids=["sides", "dims-alike", "unequal-sides"])
+def test_plane_regions_share_problems_on_cpu(problem, plane_problems):
+    """Padding in all three dims: the full grid's problem and one per group of plane regions of
+    one problem shape (docs/math.md §3.6). The CPU's auto takes ATen's convolution for each of
+    these padding-0 problems (sliced_conv, one slice here), so each runs aten::_convolution
+    once; the lines and corners are GEMMs."""
+    _, fused = make_models(problem, torch.float32, "cpu", algo="border")
+    x = make_input(problem, torch.float32, "cpu")
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fused.train()(x)
+    inputs = [e.input_shapes[0] for e in prof.events() if e.name == "aten::_convolution"]
+    assert len(inputs) == 1 + plane_problems, inputs
 
 
 @pytest.mark.parametrize("device", DEVICES)

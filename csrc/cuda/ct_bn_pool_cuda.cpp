@@ -137,8 +137,9 @@ constexpr double kDirectMaxWork = 1e8;
 // their rounding amplified as much). docs/performance.md, 2026-12-01 06:38 UTC: pad2 (2.7e11
 // multiply-adds, crop 0.63) 5.9 ms against sliced_conv's 33.0; t8pad1 (1.1e8) 1.31 against
 // 0.095. Where between them the two cross was not measured: 1e11 is sliced_conv's 12 ms at
-// pad2's rate. Its terms' weights stay under kMaxBorderWeightBytes (pad2's largest: 5.2 MB),
-// or a large padding on many channels would take more memory than the convolution.
+// pad2's rate. Its terms' weights stay under kMaxBorderWeightBytes (pad2's largest: its plane
+// problems' of both sides, 6.6 MB), or a large padding on many channels would take more
+// memory than the convolution.
 constexpr double kBorderMinWork = 1e11;
 constexpr int64_t kMaxBorderWeightBytes = int64_t(64) << 20;
 bool border_pays(const ConvGeometry& g) {
