@@ -3,12 +3,14 @@
 // P = sum_{m_w} phases[g_w, m_w] (Z^(g, m_w) + conj(Z^(-g, m_w))),
 // written as complex values, each once (the contraction forms the real matrix it multiplies,
 // §3.5: the real blocks written here before moved 53 MB on the seed problem, each value
-// four times, and read back by the contraction as much). It replaces R' as a tensor (its real part, its mirrored lags), ATen's rfftn
-// of it and the copies around them (docs/performance.md). One thread per pair of bins
-// (g, -g) of (g_d, g_h), (group, i, j) and chunk of g_w: it reads its entry and the
-// transposed one at g and -g once per m_w and writes the chunk's bins at both; staging the
-// transposed entries through shared memory, in 32 x 32 tiles, made it slower (47 and 49 us
-// per seed call against 41, 2026-11-30).
+// four times, and read back by the contraction as much). It replaces R' as a tensor (its
+// real part, its mirrored lags), ATen's rfftn of it and the copies around them
+// (docs/performance.md). One thread per pair of bins (g, -g) of (g_d, g_h), (group, i, j)
+// and chunk of g_w: it reads its entry and the transposed one at g and -g once per m_w and
+// writes the chunk's bins at both (a thread per bin read them twice: 35.5 us per seed call
+// against 22.4, docs/performance.md, 2026-12-01 14:10 UTC); staging the transposed entries
+// through shared memory, in 32 x 32 tiles, made it slower (47 and 49 us per seed call
+// against 41, 2026-11-30).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -93,7 +95,8 @@ at::Tensor correlation_blocks_cuda(const at::Tensor& z_hat, const at::Tensor& ph
   a.mwh = z_hat.size(2);
   a.groups = z_hat.size(3);
   a.cig = z_hat.size(4);
-  TORCH_CHECK(a.md % 2 == 1 && a.mh % 2 == 1, "ct_bn_pool: correlation_blocks_cuda: the grid M is 2k' - 1 per dim, odd");
+  TORCH_CHECK(a.md % 2 == 1 && a.mh % 2 == 1,
+              "ct_bn_pool: correlation_blocks_cuda: the grid M is 2k' - 1 per dim, odd");
   a.chunks = (a.mwh + kBinChunk - 1) / kBinChunk;
   a.pairs = (a.md * a.mh + 1) / 2;
   auto out = at::empty({a.md, a.mh, a.mwh, a.groups, a.cig, a.cig}, z_hat.options());
