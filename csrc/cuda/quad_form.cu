@@ -2,8 +2,9 @@
 // group (an output channel of a phase), sum over the kept bins g and the rows k of W (the
 // real and imaginary parts of each channel's row, interleaved) of
 // mirror(g) W[g, k, c] V[g, k, c], V = B W, B R^'s real form in the same order:
-// Re(W^H R^ W). On sm_90 quad_form_mma.cu does it all in one kernel; elsewhere, or with FUSED_OPS_CONTRACTION=gemm, V is cuBLAS's batched product and
-// this file's kernel forms the sums. As ATen ops this was a product into a
+// Re(W^H R^ W). On sm_90 quad_form_mma.cu does it all in one kernel; elsewhere, or with
+// FUSED_OPS_CONTRACTION=gemm, V is cuBLAS's batched product and this file's kernel forms the
+// sums. As ATen ops this was a product into a
 // temporary as large as W, two reductions and a scaling per chunk of columns (0.09 ms
 // per seed call, docs/performance.md); here it is one read of W and V. A block owns 32
 // adjacent columns (coalesced loads) and a slice of the bins; the slices' sums are returned
