@@ -19,28 +19,29 @@
 namespace fused_ops {
 namespace {
 
-// Bytes of the W-stage's output (Q, x's spectrum's dtype) per chunk of depth frequencies,
+// Bytes of the S stage's output (Q, x's spectrum's dtype) per chunk of depth frequencies,
 // and of the sub-kernels' spectra per chunk of output channels: as much as x's spectrum
 // (rows) and half of it (channels), within these bounds, so that the path's temporaries
 // shrink with the batch (below eager PyTorch's on the `b4` bench problem,
 // docs/performance.md). With half of x's spectrum for the rows too, b4 took 1.42 ms
-// against 1.24 (2026-11-30 16:26 and 16:38 UTC): smaller W-stage launches, likely too
+// against 1.24 (2026-11-30 16:26 and 16:38 UTC): smaller S-stage launches, likely too
 // few blocks to fill the GPU. The seed problem's 128 output channels take 53 MB of spectra:
 // in one chunk its contraction took 54 us less GPU time than in two of at most 32 MiB (two
 // GEMMs and one quad_form launch fewer, larger GEMMs; docs/performance.md, 2026-12-01 01:34 UTC).
-// The rows' 64 MiB: the seed call's W and H stages in two chunks of 10 depth frequencies took
+// The rows' 64 MiB: the seed call's first two stages in two chunks of 10 depth frequencies took
 // 266.7 us against 282.0 in three of 7, 7 and 6 (48 MiB), at 244.9 MiB of peak memory against
-// 239.3 (docs/performance.md, 2026-12-01 09:33 UTC).
+// 239.3 (docs/performance.md, 2026-12-01 09:33 UTC; the stages then reduced w first, and Q was
+// twice as large: the seed problem now takes one chunk).
 constexpr int64_t kMinChunkBytes = int64_t(8) << 20;
 constexpr int64_t kMaxRowsBytes = int64_t(64) << 20;
 constexpr int64_t kMaxWeightBytes = int64_t(64) << 20;
-// The H stage's output kept for one D stage over every depth frequency, where it is at most
+// The W stage's output kept for one D stage over every depth frequency, where it is at most
 // this large (seed: 29.5 MB of complex64) and no larger than x's spectrum: per chunk, the D
 // stage read and wrote Z^ (26.5 MB) each time. The output's size does not depend on the
 // batch, so on a small batch it outweighed the rest of the call (b4: peak 159.0 MiB kept,
 // 102.7 per chunk, eager 121.2, with complex128; docs/performance.md, 2026-12-01 00:19 UTC).
 constexpr int64_t kMaxDeferredBytes = int64_t(64) << 20;
-bool keep_h_stage_output(int64_t chunks, int64_t bytes, const at::Tensor& x_spec) {
+bool keep_w_stage_output(int64_t chunks, int64_t bytes, const at::Tensor& x_spec) {
   return chunks == 1 || bytes <= std::min(kMaxDeferredBytes, x_spec.numel() * x_spec.element_size());
 }
 int64_t chunk_budget(const at::Tensor& x_spec, int64_t share, int64_t max_bytes) {
@@ -53,16 +54,16 @@ at::Tensor lag_phases(int64_t size, int64_t n, int64_t step, const at::Tensor& l
   return unit_roots(size, n, step, lags, 1.0);
 }
 
-// [size, M] double, M = 2 reach + 1: the H and D stages' coefficients, a frequency f of
+// [n, M] double, M = 2 reach + 1: the W and D stages' coefficients, a frequency f < n of
 // the grid of `size` taken to the lags m = -reach .. reach and on to the bins g of their DFT
 // on M, sum_m exp(2 pi i f step m / size) exp(-2 pi i g m / M) (§3.5). The lags are
 // symmetric about 0, so each is a sum of cosines, real: kept as such, the stages' products
 // take two multiply-adds instead of four (the imaginary parts formed here are rounding).
-at::Tensor lag_spectrum_phases(int64_t size, int64_t step, int64_t reach, const at::TensorOptions& opts) {
+at::Tensor lag_spectrum_phases(int64_t size, int64_t n, int64_t step, int64_t reach, const at::TensorOptions& opts) {
   const int64_t count = 2 * reach + 1;
   const at::Tensor lags = at::arange(-reach, reach + 1, opts.dtype(at::kLong));
   return at::real(
-             at::matmul(lag_phases(size, size, step, lags), lag_phases(count, count, 1, lags).conj_physical().t()))
+             at::matmul(lag_phases(size, n, step, lags), lag_phases(count, count, 1, lags).conj_physical().t()))
       .contiguous();
 }
 
@@ -77,20 +78,26 @@ at::Tensor mirror_count(int64_t size, const at::TensorOptions& opts) {
   return count;
 }
 
-// [ρ + 1, ρ + 1] complex128: c_m exp(-2 pi i g m / M) for the bins g and lags m from 0 to
-// ρ of the grid M = 2ρ + 1, c_0 = 1/4 and c_m = 1/2 beyond: P of correlation_blocks (§3.5).
+// [M, ρ + 1] complex128: c_m exp(-2 pi i g m / M) for the bins g of the grid M = 2ρ + 1 and
+// the lags m from 0 to ρ, c_0 = 1/4 and c_m = 1/2 beyond: P of correlation_blocks (§3.5).
 at::Tensor block_phases(int64_t reach, const at::TensorOptions& opts) {
   auto weight = at::full({reach + 1}, 0.5, opts.dtype(at::kDouble));
   weight[0].fill_(0.25);
   const at::Tensor m = at::arange(reach + 1, opts.dtype(at::kLong));
-  return lag_phases(2 * reach + 1, reach + 1, 1, m).conj_physical().mul_(weight);
+  return lag_phases(2 * reach + 1, 2 * reach + 1, 1, m).conj_physical().mul_(weight);
 }
 
-// The W stage's coefficients: lag_phases for lags 0 .. reach, weighted by mirror_count.
+// The S stage's coefficients, over every fh of the grid Lh: lag_phases for the h lags 0 .. reach.
+at::Tensor s_stage_coefficients(int64_t size, const Lags& lags, const at::TensorOptions& opts) {
+  const at::Tensor m = at::arange(lags.reach[1] + 1, opts.dtype(at::kLong));
+  return lag_phases(size, size, lags.step[1], m);
+}
+
+// The W stage's coefficients, over the kept fw of the real FFT: lag_spectrum_phases weighted
+// by mirror_count (§3.5: the real part, taken by correlation_blocks, adds the mirrored bins).
 at::Tensor w_stage_coefficients(int64_t size, const Lags& lags, const at::TensorOptions& opts) {
-  const int64_t bins = size / 2 + 1;
-  const at::Tensor m = at::arange(lags.reach[2] + 1, opts.dtype(at::kLong));
-  return lag_phases(size, bins, lags.step[2], m).mul_(mirror_count(size, opts).unsqueeze(1));
+  return lag_spectrum_phases(size, size / 2 + 1, lags.step[2], lags.reach[2], opts)
+      .mul_(mirror_count(size, opts).unsqueeze(1));
 }
 
 // [bins, k'] complex128: dim d's forward DFT on the grid M = 2k' - 1 of a sub-kernel's k'
@@ -103,9 +110,9 @@ at::Tensor tap_dft(const Lags& lags, int d, const at::TensorOptions& opts) {
 
 // What the path needs of the geometry alone, on the device (table_cache.h).
 struct Tables {
-  at::Tensor coef_w, coef_h, coef_d;  // the W, H and D stages' coefficients (correlation_spectrum)
-  at::Tensor coef_w_float;            // coef_w as complex64, for float32 spectra: a copy kernel per call less
-  at::Tensor blocks;                  // correlation_blocks' phases, [ρw + 1, ρw + 1]
+  at::Tensor coef_s, coef_w, coef_d;  // the S, W and D stages' coefficients (correlation_spectrum)
+  at::Tensor coef_s_float;            // coef_s as complex64, for float32 spectra: a copy kernel per call less
+  at::Tensor blocks;                  // correlation_blocks' phases, [Mh, ρh + 1]
   at::Tensor mirror;                  // phase_energies' mirror counts over |M|, [ρw + 1]
   at::Tensor dft[3];                  // tap_dft of each dim
   at::Tensor slots;                   // tap_slots
@@ -116,11 +123,11 @@ Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::Te
   const int64_t* grid = sub.out_size;
   const double size = static_cast<double>(grid[0] * grid[1] * grid[2]);
   Tables t;
+  t.coef_s = s_stage_coefficients(grid[1], lags, opts);
+  t.coef_s_float = t.coef_s.to(at::kComplexFloat);
   t.coef_w = w_stage_coefficients(grid[2], lags, opts);
-  t.coef_w_float = t.coef_w.to(at::kComplexFloat);
-  t.coef_h = lag_spectrum_phases(grid[1], lags.step[1], lags.reach[1], opts);
-  t.coef_d = lag_spectrum_phases(grid[0], lags.step[0], lags.reach[0], opts).div_(size);  // R's 1 / |L|
-  t.blocks = block_phases(lags.reach[2], opts);
+  t.coef_d = lag_spectrum_phases(grid[0], grid[0], lags.step[0], lags.reach[0], opts).div_(size);  // R's 1 / |L|
+  t.blocks = block_phases(lags.reach[1], opts);
   t.mirror = mirror_count(2 * lags.reach[2] + 1, opts).div_(static_cast<double>(lags.count()));  // §3.5's 1 / |M|
   for (int d = 0; d < 3; ++d) t.dft[d] = tap_dft(lags, d, opts);
   t.slots = tap_slots(g, sub, opts.dtype(at::kLong));
@@ -143,42 +150,42 @@ Tables tables_for(const Backend& backend, const ConvGeometry& g, const ConvGeome
 
 // R^, the DFT on the grid M of x's cross-correlation R' centred on its grid mean (the DC
 // bin left out), as the backend's correlation_blocks: [Md, Mh, Mw/2 + 1, G, Cig, Cig]
-// complex128 (§3.5). The backend's W stage runs for a chunk of depth frequencies at a
-// time and its H stage on that chunk; its D stage takes the H stage's output to Z^, already
-// at the bins g_d, g_h of M and the lags m_w >= 0: once over every depth frequency where
-// that output may be kept (keep_h_stage_output), else per chunk, adding the chunk's terms to Z^.
+// complex128 (§3.5). The backend's S stage runs for a chunk of depth frequencies at a
+// time and its W stage on that chunk; its D stage takes the W stage's output to Z^, already
+// at the bins g_d, g_w of M and the lags m_h >= 0: once over every depth frequency where
+// that output may be kept (keep_w_stage_output), else per chunk, adding the chunk's terms to Z^.
 at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec, const int64_t grid[3],
                                 const Tables& tables, int64_t groups) {
-  const int64_t cig = x_spec.size(4) / groups, entries = groups * cig * cig;
-  const at::Tensor &coef_w = tables.coef_w, &coef_h = tables.coef_h, &coef_d = tables.coef_d;
-  const int64_t mw = coef_w.size(1), mh = coef_h.size(1), md = coef_d.size(1), columns = mw * entries;
-  const int64_t fd_bytes = grid[1] * columns * x_spec.element_size();
+  const int64_t cig = x_spec.size(4) / groups, entries = groups * cig * cig, lwf = x_spec.size(2);
+  const at::Tensor &coef_s = tables.coef_s, &coef_w = tables.coef_w, &coef_d = tables.coef_d;
+  const int64_t lags_h = coef_s.size(1), mw = coef_w.size(1), md = coef_d.size(1), columns = lags_h * entries;
+  const int64_t fd_bytes = lwf * columns * x_spec.element_size();
   const int64_t most = std::clamp<int64_t>(chunk_budget(x_spec, 1, kMaxRowsBytes) / fd_bytes, 1, grid[0]);
   // Balanced chunks, no small last one (a 48 MiB budget gave the seed 7, 7 and 6 depth
   // frequencies, not 8, 8 and 4): the same GPU time, 8 MiB less peak memory
   // (docs/performance.md, 22:48-22:54 UTC runs).
   const int64_t chunks = (grid[0] + most - 1) / most, chunk = (grid[0] + chunks - 1) / chunks;
-  // The D stage's output Z^ is complex128; the H stage's is in x's spectrum's dtype, as Q is:
-  // for float32 x its float64 sums are rounded once to complex64, and the H stage writes and
+  // The D stage's output Z^ is complex128; the W stage's is in x's spectrum's dtype, as Q is:
+  // for float32 x its float64 sums are rounded once to complex64, and the W stage writes and
   // the D stage reads half the bytes (seed: 29.5 MB instead of 59; docs/performance.md,
   // 2026-12-01 12:37 UTC).
-  const at::TensorOptions lag_options = coef_h.options().dtype(at::kComplexDouble);
-  const at::TensorOptions h_options = coef_h.options().dtype(x_spec.scalar_type());
+  const at::TensorOptions lag_options = coef_w.options().dtype(at::kComplexDouble);
+  const at::TensorOptions w_options = coef_w.options().dtype(x_spec.scalar_type());
   const bool deferred =
-      keep_h_stage_output(chunks, grid[0] * mh * columns * x_spec.element_size(), x_spec);
-  const at::Tensor coef_w_x = x_spec.scalar_type() == at::kComplexFloat ? tables.coef_w_float : coef_w;
-  const at::Tensor p_all = deferred ? at::empty({grid[0], mh, columns}, h_options) : at::Tensor();
-  at::Tensor r = deferred ? at::empty({1, md, mh * columns}, lag_options)
-                          : at::zeros({1, md, mh * columns}, lag_options);
+      keep_w_stage_output(chunks, grid[0] * mw * columns * x_spec.element_size(), x_spec);
+  const at::Tensor coef_s_x = x_spec.scalar_type() == at::kComplexFloat ? tables.coef_s_float : coef_s;
+  const at::Tensor p_all = deferred ? at::empty({grid[0], mw, columns}, w_options) : at::Tensor();
+  at::Tensor r = deferred ? at::empty({1, md, mw * columns}, lag_options)
+                          : at::zeros({1, md, mw * columns}, lag_options);
   for (int64_t fd0 = 0; fd0 < grid[0]; fd0 += chunk) {
     const int64_t n = std::min(chunk, grid[0] - fd0);
-    const at::Tensor q = backend.cross_spectrum_rows(x_spec, fd0, n, coef_w_x, groups);
-    at::Tensor p = deferred ? p_all.narrow(0, fd0, n) : at::empty({n, mh, columns}, h_options);
-    backend.lag_stage(q.view({n, grid[1], columns}), coef_h, p, false);
-    if (!deferred) backend.lag_stage(p.view({1, n, mh * columns}), coef_d.narrow(0, fd0, n), r, true);
+    const at::Tensor q = backend.cross_spectrum_rows(x_spec, fd0, n, coef_s_x, groups);
+    at::Tensor p = deferred ? p_all.narrow(0, fd0, n) : at::empty({n, mw, columns}, w_options);
+    backend.lag_stage(q.view({n, lwf, columns}), coef_w, p, false);
+    if (!deferred) backend.lag_stage(p.view({1, n, mw * columns}), coef_d.narrow(0, fd0, n), r, true);
   }
-  if (deferred) backend.lag_stage(p_all.view({1, grid[0], mh * columns}), coef_d, r, false);
-  return backend.correlation_blocks(r.view({md, mh, mw, groups, cig, cig}), tables.blocks);
+  if (deferred) backend.lag_stage(p_all.view({1, grid[0], mw * columns}), coef_d, r, false);
+  return backend.correlation_blocks(r.view({md, mw, lags_h, groups, cig, cig}), tables.blocks);
 }
 
 // [S, G, Cog] double, S rows to be added (the finalize adds them, bn_finalize.h): sum over
@@ -236,24 +243,28 @@ at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64
   const at::NoTF32Guard exact;
   const int64_t lh = x_spec.size(1), lwf = x_spec.size(2), batch = x_spec.size(3);
   const int64_t cig = x_spec.size(4) / groups;
-  const at::Tensor xs =  // [count, Lh, Lwf, G, B, Cig]
-      x_spec.narrow(0, fd0, count).view({count, lh, lwf, batch, groups, cig}).transpose(3, 4);
+  const at::Tensor xs =  // [count, Lwf, Lh, G, B, Cig]
+      x_spec.narrow(0, fd0, count).view({count, lh, lwf, batch, groups, cig}).transpose(3, 4).transpose(1, 2);
   // conj_physical: with a lazy conj view, the first call under
   // torch.compile on the CPU (torch 2.14) returned wrong values (tests/test_tooling_families.py).
-  at::Tensor s = at::matmul(xs.conj_physical().transpose(-1, -2), xs);  // [count, Lh, Lwf, G, Cig, Cig]
+  at::Tensor s = at::matmul(xs.conj_physical().transpose(-1, -2), xs);  // [count, Lwf, Lh, G, Cig, Cig]
   if (fd0 == 0) s[0][0][0].zero_();  // the DC bin is left out (§3.5)
   const at::Tensor q =
-      at::matmul(coef.to(s.scalar_type()).t(), s.reshape({count * lh, lwf, groups * cig * cig}));
-  return q.view({count, lh, coef.size(1), groups, cig, cig});
+      at::matmul(coef.to(s.scalar_type()).t(), s.reshape({count * lwf, lh, groups * cig * cig}));
+  return q.view({count, lwf, coef.size(1), groups, cig, cig});
 }
 
-// P + P^H, P = sum_{m_w} phases[g_w, m_w] (Z^(g) + conj(Z^(-g))) (§3.5), -g of index k at
-// index (M - k) mod M: a flip, then a roll by one.
+// P + P^H, P = sum_{m_h} phases[g_h, m_h] (Z^(g) + conj(Z^(-g))) (§3.5), g = (g_d, g_w), -g
+// of index k at index (M - k) mod M: a flip, then a roll by one; only the bins
+// g_w <= (Mw - 1) / 2 kept, as [Md, Mh, Mwh].
 at::Tensor correlation_blocks_aten(const at::Tensor& z_hat, const at::Tensor& phases) {
-  const int64_t md = z_hat.size(0), mh = z_hat.size(1), mwh = z_hat.size(2);
+  const int64_t md = z_hat.size(0), mw = z_hat.size(1), lags = z_hat.size(2), mh = phases.size(0);
+  const int64_t mwh = (mw + 1) / 2, entries = z_hat.numel() / (md * mw * lags);
   const at::Tensor u = z_hat + z_hat.flip({0, 1}).roll({1, 1}, {0, 1}).conj_physical();
-  const at::Tensor p = at::matmul(phases, u.reshape({md * mh, mwh, -1})).view(z_hat.sizes());
-  return p + p.transpose(-1, -2).conj_physical();
+  const at::Tensor p = at::matmul(phases, u.narrow(1, 0, mwh).reshape({md * mwh, lags, entries}))
+                           .view({md, mwh, mh, z_hat.size(3), z_hat.size(4), z_hat.size(5)})
+                           .transpose(1, 2);
+  return (p + p.transpose(-1, -2).conj_physical()).contiguous();
 }
 
 at::Tensor interleaved_real_form(const at::Tensor& blocks) {
@@ -301,7 +312,7 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
   at::Tensor blocks;
   int64_t weight_budget = 0;
   {  // x's spectrum is freed before the contraction
-    const at::Tensor x_spec = x_spectrum(x, sub.out_size, backend.spectrum_kernels, sums.spectrum_plane_sums());
+    const at::Tensor x_spec = x_spectrum(x, sub.out_size, backend.spectrum_kernels, sums.spectrum_channel_sums());
     blocks = correlation_spectrum(backend, x_spec, sub.out_size, tables, g.groups);
     weight_budget = chunk_budget(x_spec, 2, kMaxWeightBytes);
   }

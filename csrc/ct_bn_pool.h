@@ -24,14 +24,14 @@ enum class EnergyAlgo { Direct, SlicedConv, Fft, Correlation, CrossSpectrum, Bor
 
 // The tensors behind SampleSums: x_red [B, Ci, J] and w_red [Ci, Cog, 1 or J], double
 // (w_red undefined where the finalize sums the weight itself: SampleSums::w_red null).
-// x_red_from_spectrum: x_red is [B, Ci, D] and not yet written; the training energy's pass
-// over x for its spectrum writes it (x_spectrum's plane sums), before anything reads it.
+// x_red_from_spectrum: x_red is [B, Ci, 1] and not yet written; the training energy's pass
+// over x for its spectrum writes it (x_spectrum's channel sums), before anything reads it.
 struct SampleSumTensors {
   at::Tensor x_red, w_red;
   bool x_red_from_spectrum = false;
   SampleSums view(const ConvGeometry& g) const;
-  // x_red where it is to come from x's spectrum, else undefined (x_spectrum's plane_sums).
-  at::Tensor spectrum_plane_sums() const { return x_red_from_spectrum ? x_red : at::Tensor(); }
+  // x_red where it is to come from x's spectrum, else undefined (x_spectrum's channel_sums).
+  at::Tensor spectrum_channel_sums() const { return x_red_from_spectrum ? x_red : at::Tensor(); }
 };
 
 // Tensors and scalars of the finalize step (see FinalizeArgs); undefined
@@ -78,14 +78,14 @@ struct Backend {
   // and sums it itself (CUDA: while x is read, docs/performance.md).
   SampleSumTensors (*eval_sample_sums)(const at::Tensor& x, const at::Tensor& weight,
                                        const ConvGeometry& g);
-  // The cross-spectrum path's W stage (docs/math.md §3.5) for depth frequencies
+  // The cross-spectrum path's S stage (docs/math.md §3.5) for depth frequencies
   // [fd0, fd0 + count) of x_spec [Ld, Lh, Lwf, B, Ci] (complex64 or complex128):
-  // Q[fd - fd0, fh, m, g, i, j] = sum_fw coef[fw, m] sum_b conj(X[f, b, g Cig + i]) X[f, b, g Cig + j]
-  // with the DC bin f = 0 left out, [count, Lh, M, G, Cig, Cig] in x_spec's dtype; coef
-  // [Lwf, M] complex128.
+  // Q[fd - fd0, fw, m, g, i, j] = sum_fh coef[fh, m] sum_b conj(X[f, b, g Cig + i]) X[f, b, g Cig + j]
+  // with the DC bin f = 0 left out, [count, Lwf, M, G, Cig, Cig] in x_spec's dtype; coef
+  // [Lh, M] complex128.
   at::Tensor (*cross_spectrum_rows)(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);
-  // The H and D stages after it (§3.5): out[a, m, c] = sum_f coef[f, m] q[a, f, c],
+  // The W and D stages after it (§3.5): out[a, m, c] = sum_f coef[f, m] q[a, f, c],
   // added to out if `accumulate`; q [A, F, C] complex64 or complex128, coef [F, M] double
   // (real: lag_spectrum_phases) and out [A, M, C] complex128 (or, without `accumulate`,
   // complex64 where q is: the sums are float64, rounded once as stored), all contiguous.
@@ -94,9 +94,10 @@ struct Backend {
   // tables may be cached under (table_cache.h), or -1 while that stream is being captured
   // into a CUDA graph.
   int64_t (*table_stream)(const at::Device& device);
-  // R^ on the grid M from the D stage's output z_hat [Md, Mh, Mwh, G, Cig, Cig]
-  // complex128 and the phases [Mwh, Mwh] complex128 of its last step (§3.5):
-  // [Md, Mh, Mwh, G, Cig, Cig] complex128, contiguous, Hermitian per bin and group.
+  // R^ on the grid M from the D stage's output z_hat [Md, Mw, Lh', G, Cig, Cig]
+  // complex128 (Lh' = k'_h: the lags m_h >= 0) and the phases [Mh, Lh'] complex128 of its
+  // last step (§3.5): [Md, Mh, Mwh, G, Cig, Cig] complex128 (Mwh = Mw / 2 + 1), contiguous,
+  // Hermitian per bin and group.
   at::Tensor (*correlation_blocks)(const at::Tensor& z_hat, const at::Tensor& phases);
   // The contraction's quadratic forms (§3.5): [S, G, C] double, S partial sums to be added,
   // over the bins (g_d, g_h, g_w) and rows k of mirror[g_w] w_hat v at [g_d, g_h, g_w, G, k, c],

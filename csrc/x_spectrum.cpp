@@ -19,15 +19,15 @@ void scatter_aten(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0
 }
 
 at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const SpectrumKernels& kernels,
-                      const at::Tensor& plane_sums) {
+                      const at::Tensor& channel_sums) {
   const int64_t batch = x.size(0), channels = x.size(1), lwf = grid[2] / 2 + 1;
   const at::ScalarType complex = x.scalar_type() == at::kDouble ? at::kComplexDouble
                                                                 : at::kComplexFloat;
   auto spectrum = at::empty({grid[0], grid[1], lwf, batch, channels}, x.options().dtype(complex));
-  if (kernels.dft && kernels.dft(x, grid, spectrum, plane_sums)) return spectrum;
-  if (plane_sums.defined()) {
-    at::Tensor out = plane_sums;  // a handle: sum_out writes plane_sums' storage
-    at::sum_out(out, x, at::IntArrayRef{3, 4}, false, at::kDouble);
+  if (kernels.dft && kernels.dft(x, grid, spectrum, channel_sums)) return spectrum;
+  if (channel_sums.defined()) {
+    at::Tensor out = channel_sums;  // a handle: sum_out writes channel_sums' storage
+    at::sum_out(out, x, at::IntArrayRef{2, 3, 4}, true, at::kDouble);
   }
   const int64_t sample_bytes = grid[0] * grid[1] * lwf * channels * spectrum.element_size();
   const int64_t slice = std::min(batch, std::max<int64_t>(1, kFftSliceBytes / sample_bytes));

@@ -5,6 +5,7 @@
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [bench] [bench-full] [dist]
 #                        [backward] [memory-format] [eval-variants] [x-read-variants] [bench-strided]
 #                        [bench-train] [bench-eval] [bench-small] [bench-padded] [wall] [ncu-cross]
+#                        [lag-stage-variants]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes);
 # PYTEST_K="expr" passes -k expr to pytest (say, "not cpu" to leave the CPU-parametrized
@@ -82,8 +83,8 @@ if want ncu; then
 fi
 if want ncu-cross; then
   step ncu-cross
-  # The seed call's largest kernels on the cross-spectrum path (docs/performance.md: W stage,
-  # on sm_90 cross_spectrum_mma_kernel; x's plane DFT, H stage) and t8c32's direct kernel:
+  # The seed call's largest kernels on the cross-spectrum path (docs/performance.md: S stage,
+  # on sm_90 cross_spectrum_mma_kernel; x's plane DFT, W stage) and t8c32's direct kernel:
   # where their warps stall, instruction mix, and the source lines that stall most (the next
   # tuning starts from these).
   for k in cross_spectrum_mma_kernel plane_dft_kernel lag_stage_kernel energy_direct_kernel; do
@@ -164,6 +165,12 @@ if want x-read-variants; then
   # Ways to read x in the eval x pass: load instructions, loads in flight, blocks per SM and
   # bulk copies into shared memory, against a D2D copy and cub's reduce.
   microbenchmark x_read_variants
+fi
+if want lag-stage-variants; then
+  step lag-stage-variants
+  # Ways to run a lag stage on the seed problem's shape (then its H stage): threads per column, loads in flight,
+  # Q's layout, against a D2D copy and a plain read (docs/performance.md, 2026-12-01 14:31 UTC).
+  microbenchmark lag_stage_variants
 fi
 if want backward; then
   step backward

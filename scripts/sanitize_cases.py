@@ -69,10 +69,10 @@ run(2, 6, 9, (4, 3, 5), (3, 2, 4), True, "cross_spectrum", stride=(2, 1, 3), gro
 # groups of 20 channels. cross_spectrum.cu's float32 kernel, forced where that one runs.
 run(19, 34, 5, (3, 4, 5), (3, 2, 3), True, "cross_spectrum")
 run(10, 40, 6, (4, 3, 5), (2, 3, 7), True, "cross_spectrum", groups=2)
-os.environ["FUSED_OPS_W_STAGE"] = "simt"
+os.environ["FUSED_OPS_S_STAGE"] = "simt"
 run(2, 40, 6, (3, 4, 5), (2, 2, 10), True, "cross_spectrum")
 run(32, 32, 5, (3, 4, 5), (3, 2, 10), True, "cross_spectrum")
-del os.environ["FUSED_OPS_W_STAGE"]
+del os.environ["FUSED_OPS_S_STAGE"]
 # quad_form_mma.cu (sm_90; the cross_spectrum cases above run it): R = 72 rows with 200
 # columns (partial row and column tiles, a chunk past R), and 37 columns (odd: 8-byte copies
 # of W); cuBLAS's product and quad_form.cu, forced where that one runs.

@@ -198,49 +198,49 @@ def cross_spectrum_step_kernels(problem, dtype=torch.float32):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("batch, d_stages, chunks", [(8, 1, 2), (1, 14, 14)], ids=["kept", "per-chunk"])
-def test_cross_spectrum_keeps_the_h_stage_output_where_x_spectrum_is_larger(batch, d_stages, chunks):
-    """csrc/cross_spectrum_energy.cpp: over 42 depth frequencies in chunks, the H stage's
-    output (20.5 MB of complex64 here, whatever the batch) is kept for one D stage where x's
+@pytest.mark.parametrize("batch, d_stages, chunks", [(8, 1, 2), (1, 6, 6)], ids=["kept", "per-chunk"])
+def test_cross_spectrum_keeps_the_w_stage_output_where_x_spectrum_is_larger(batch, d_stages, chunks):
+    """csrc/cross_spectrum_energy.cpp: over 42 depth frequencies in chunks, the W stage's
+    output (20.6 MB of complex64 here, whatever the batch) is kept for one D stage where x's
     spectrum is at least as large (batch 8: 45 MB, 2 chunks), else the D stage runs per chunk
-    (batch 1: 5.7 MB, 14 chunks). Both against float64."""
+    (batch 1: 5.7 MB, 6 chunks of at most 8 MiB of Q). Both against float64."""
     names = cross_spectrum_step_kernels(Problem(batch, 64, 8, (40, 20, 20), (3, 3, 3)))
-    # the D stage is the lag stage that stores float64 sums (the H stage stores x's dtype)
+    # the D stage is the lag stage that stores float64 sums (the W stage stores x's dtype)
     assert sum("lag_stage_kernel<float2, double2" in n for n in names) == d_stages
     assert sum("lag_stage_kernel<float2, float2" in n for n in names) == chunks
 
 
-# The W stage's cases (tests above): tiles past the channels, lag launches of 5 and 2,
+# The S stage's cases (tests above): tiles past the channels, lag launches of 5 and 2,
 # chunks of samples with a partial one, groups, strides; and for cross_spectrum_mma.cu a
 # partial chunk of samples with an even group (34 channels: a block whose columns end at
 # 34 of its 48).
-W_STAGE_PROBLEMS = [p for p in PROBLEMS if p.in_channels >= 16 or p.batch >= 10] + [
+S_STAGE_PROBLEMS = [p for p in PROBLEMS if p.in_channels >= 16 or p.batch >= 10] + [
     Problem(19, 34, 5, (3, 4, 5), (3, 2, 3), scale=-1.5),
     # cross_spectrum_mma.cu's paired blocks (BlockPlan): 48 channels (one pair of row blocks,
     # 0 and 2) and 128 (two pairs, 1 and 3, 5 and 7).
     Problem(3, 48, 5, (3, 4, 5), (2, 3, 3)),
     Problem(2, 128, 4, (3, 3, 4), (2, 2, 3)),
     # and its stores (16 bytes per two entries of a row, the diagonal's i = j + 1 alone): groups
-    # of 2 channels (one partial tile; 2 W lags: the 2-lag kernel) and 6, and 10 channels (a
+    # of 2 channels (one partial tile; 2 h lags: the 2-lag kernel) and 6, and 10 channels (a
     # pair of row blocks with one idle side).
-    Problem(2, 12, 6, (3, 4, 5), (2, 3, 2), conv_kwargs=dict(groups=6)),
+    Problem(2, 12, 6, (3, 4, 5), (2, 2, 3), conv_kwargs=dict(groups=6)),
     Problem(3, 12, 4, (3, 4, 5), (3, 2, 3), scale=-1.5, conv_kwargs=dict(groups=2)),
     Problem(3, 10, 5, (3, 4, 5), (2, 3, 3))]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("w_stage", ["default", "simt"])
-@pytest.mark.parametrize("problem", W_STAGE_PROBLEMS, ids=Problem.ids)
-def test_cross_spectrum_w_stage_kernels(problem, w_stage, monkeypatch):
+@pytest.mark.parametrize("s_stage", ["default", "simt"])
+@pytest.mark.parametrize("problem", S_STAGE_PROBLEMS, ids=Problem.ids)
+def test_cross_spectrum_s_stage_kernels(problem, s_stage, monkeypatch):
     """csrc/cuda/cross_spectrum_mma.cu (float64 tensor cores) on sm_90 and later where the
-    groups have an even number of channels, else cross_spectrum.cu; FUSED_OPS_W_STAGE=simt
+    groups have an even number of channels, else cross_spectrum.cu; FUSED_OPS_S_STAGE=simt
     takes the latter everywhere. Both against float64, and the kernel that ran is the one
     named."""
-    if w_stage == "simt":
-        monkeypatch.setenv("FUSED_OPS_W_STAGE", "simt")
+    if s_stage == "simt":
+        monkeypatch.setenv("FUSED_OPS_S_STAGE", "simt")
     names = cross_spectrum_step_kernels(problem)
     group_channels = problem.in_channels // problem.conv_kwargs.get("groups", 1)
-    mma = w_stage == "default" and torch.cuda.get_device_capability()[0] >= 9 and group_channels % 2 == 0
+    mma = s_stage == "default" and torch.cuda.get_device_capability()[0] >= 9 and group_channels % 2 == 0
     assert any("cross_spectrum_mma_kernel" in n for n in names) == mma
     assert any("cross_spectrum_kernel<float" in n for n in names) == (not mma)
 
@@ -368,9 +368,9 @@ def test_overlapping_launches_off_gives_the_same_bits(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("variable", ["FUSED_OPS_W_STAGE", "FUSED_OPS_CONTRACTION", "FUSED_OPS_OVERLAP"])
+@pytest.mark.parametrize("variable", ["FUSED_OPS_S_STAGE", "FUSED_OPS_CONTRACTION", "FUSED_OPS_OVERLAP"])
 def test_cross_spectrum_refuses_an_unknown_route(variable, monkeypatch):
-    """FUSED_OPS_W_STAGE takes `auto` or `simt`, FUSED_OPS_CONTRACTION `auto` or `gemm`,
+    """FUSED_OPS_S_STAGE takes `auto` or `simt`, FUSED_OPS_CONTRACTION `auto` or `gemm`,
     FUSED_OPS_OVERLAP `auto` or `off`; anything else is an error naming the variable, and the
     running statistics and the batch count are left as they were."""
     monkeypatch.setenv(variable, "tensor_cores")
@@ -403,9 +403,10 @@ def test_no_host_sync_on_cuda(algo):
 ], ids=lambda v: Problem.ids(v) if isinstance(v, Problem) else str(v))
 def test_training_takes_large_x_sums_from_the_spectrum_pass(problem, from_spectrum, algo):
     """From 32 MiB of x the spectral paths take x's sums (the means, docs/math.md §2) from
-    their pass over x for its spectrum (x_spectrum's plane sums, csrc/cuda/x_spectrum_dft.cu),
-    not from a pass of their own (spatial_sum_kernel); below it, and on the correlation path,
-    which forms no spectrum, that pass stays (csrc/ct_bn_pool.cpp: kMinSpectrumSumsBytes).
+    their pass over x for its spectrum (x_spectrum's channel sums, csrc/cuda/x_spectrum_dft.cu:
+    the planes' sums, added over D by the D DFT's launch), not from a pass of their own
+    (spatial_sum_kernel); below it, and on the correlation
+    path, which forms no spectrum, that pass stays (csrc/ct_bn_pool.cpp: kMinSpectrumSumsBytes).
     Checked against float64: output and running statistics."""
     names = cuda_train_step_kernels(problem, algo)
     spectral = algo != "correlation"

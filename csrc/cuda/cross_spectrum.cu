@@ -1,13 +1,13 @@
-// The cross-spectrum path's W stage (docs/math.md §3.5) for float64 spectra, and for float32
+// The cross-spectrum path's S stage (docs/math.md §3.5) for float64 spectra, and for float32
 // ones where cross_spectrum_mma.cu does not run (before sm_90): for each frequency f the
 // [Cig, Cig] matrix S_f = sum_b X_f[b]^H X_f[b] of a group, reduced at once to
-// the lags m_w the sub-kernels span, Q[m] = sum_fw coef[fw, m] S_f, so S_f is never
-// stored. A block owns one (fd, fh) row and a tile of (i, j) pairs and walks the
-// row's fw; each thread keeps R x R adjacent entries of S_f and their Q for kLags lags
+// the lags m_h >= 0 the sub-kernels span, Q[m] = sum_fh coef[fh, m] S_f, so S_f is never
+// stored. A block owns one (fd, fw) row and a tile of (i, j) pairs and walks the
+// row's fh; each thread keeps R x R adjacent entries of S_f and their Q for kLags lags
 // in registers (more than kMaxLags lags: one launch per kMaxLags of them, each
 // recomputing S_f). S_f is Hermitian, so only the tiles on and above the diagonal are
 // computed: a diagonal tile gives its own Q, an off-diagonal tile (i < j) gives Q at
-// (i, j) and at (j, i), the latter being sum_fw coef conj(S_f[i, j]).
+// (i, j) and at (j, i), the latter being sum_fh coef conj(S_f[i, j]).
 // S_f is formed by multiply-adds in x's dtype, not TF32 tensor cores: a 3xTF32 version took the
 // seed problem's stage from 345 to 304 us but its error grew with the batch (output relerr
 // 5.6e-7 at B = 64 against 2.8e-8, docs/performance.md, 2026-11-30 20:56-21:38 UTC).
@@ -30,8 +30,8 @@ constexpr int kBatchChunk = 16;  // samples of one frequency staged in shared me
 
 struct RowsArgs {
   const void* x;     // [Ld, Lh, Lwf, B, Ci], complex of T
-  const void* coef;  // [Lwf, lags_total], complex of T
-  void* q;           // [count, Lh, lags_total, G, Cig, Cig], complex of T
+  const void* coef;  // [Lh, lags_total], complex of T
+  void* q;           // [count, Lwf, lags_total, G, Cig, Cig], complex of T
   int64_t fd0, lh, lwf, batch, ci, cig, tiles, lags_total, lag0, lags;
 };
 
@@ -70,7 +70,7 @@ __device__ __forceinline__ void load_row(const C* src, C (&dst)[R]) {
 
 // Shared memory of one block: double-buffered, step k + 1's values are stored while
 // step k's may still be read. x: [buffer][side i, side j][sample][channel]; coef: the
-// lags' coefficients of the fw in flight, [fw parity][lag] (kMaxLags, the most per launch).
+// lags' coefficients of the fh in flight, [fh parity][lag] (kMaxLags, the most per launch).
 constexpr int kMaxLags = 5;
 template <typename C, int R>
 struct Staged {
@@ -105,24 +105,24 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
   constexpr int kPerThread = 2 * kSideValues / kThreads;  // values each thread stages per step
   static_assert(2 * kSideValues % kThreads == 0, "a step's values must split evenly over the threads");
   static_assert(kLags <= kMaxLags && kLags <= kThreads, "one thread stages each lag's coefficient");
-  // row: (fd - fd0) Lh + fh
-  const int64_t fd = a.fd0 + row / a.lh, fh = row % a.lh;
+  // row: (fd - fd0) Lwf + fw
+  const int64_t fd = a.fd0 + row / a.lwf, fw = row % a.lwf;
   const int64_t i0 = ti * int64_t(kTile), j0 = tj * int64_t(kTile);
   const int64_t group = blockIdx.z;
   const int ty = threadIdx.x / kSide, tx = threadIdx.x % kSide;  // entries (R ty + r, R tx + c)
   const C* __restrict__ x =
-      static_cast<const C*>(a.x) + (fd * a.lh + fh) * a.lwf * a.batch * a.ci + group * a.cig;
+      static_cast<const C*>(a.x) + (fd * a.lh * a.lwf + fw) * a.batch * a.ci + group * a.cig;
   const C* __restrict__ coef = static_cast<const C*>(a.coef) + a.lag0;
-  const int lwf = static_cast<int>(a.lwf), batch = static_cast<int>(a.batch);
+  const int lh = static_cast<int>(a.lh), batch = static_cast<int>(a.batch);
   const int chunks = (batch + kBatchChunk - 1) / kBatchChunk;
-  const bool dc_row = fd == 0 && fh == 0;  // its fw = 0 is the DC bin, left out (§3.5)
+  const bool dc_row = fd == 0 && fw == 0;  // its fh = 0 is the DC bin, left out (§3.5)
 
-  // A step is one fw and one chunk of samples; its values are loaded into registers a
+  // A step is one fh and one chunk of samples; its values are loaded into registers a
   // step ahead, so the global loads are in flight while the previous step multiplies.
   // Each thread moves the same kPerThread (sample, channel) slots at every step, and
-  // thread m < kLags the step's fw's coefficient of lag m at its first chunk, through
+  // thread m < kLags the step's fh's coefficient of lag m at its first chunk, through
   // shared memory (0 past the launch's lags, so the lag loop needs no bound). The loops
-  // count (fw, chunk) in int: a step index split by 64-bit division and modulo is a long
+  // count (fh, chunk) in int: a step index split by 64-bit division and modulo is a long
   // instruction sequence per step, in a kernel bound by issuing instructions.
   auto sample = [](int k) { return static_cast<int>((threadIdx.x + k * kThreads) / kTile % kBatchChunk); };
   int offset[kPerThread];  // from the step's first value (a row of B Ci values); -1: no channel
@@ -133,9 +133,10 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
     offset[k] = channel < a.cig ? static_cast<int>(sample(k) * a.ci + channel) : -1;
   }
   C next[kPerThread], next_coef = C{0, 0};
-  auto load = [&](int fw, int chunk) {
+  const int64_t fh_values = a.lwf * a.batch * a.ci;  // from one fh to the next
+  auto load = [&](int fh, int chunk) {
     const int b0 = chunk * kBatchChunk;
-    const C* base = x + (static_cast<int64_t>(fw) * batch + b0) * a.ci;
+    const C* base = x + fh * fh_values + b0 * a.ci;
 #pragma unroll
     for (int k = 0; k < kPerThread; ++k) {
       if constexpr (kFull) {
@@ -145,7 +146,7 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
       }
     }
     if (chunk == 0 && threadIdx.x < kLags) {
-      next_coef = threadIdx.x < a.lags ? __ldg(coef + fw * a.lags_total + threadIdx.x) : C{0, 0};
+      next_coef = threadIdx.x < a.lags ? __ldg(coef + fh * a.lags_total + threadIdx.x) : C{0, 0};
     }
   };
   // acc: the lags' (A, C) under kMirror, else Q itself; mir: (B, D) under kMirror.
@@ -161,15 +162,15 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
       for (int m = 0; m < (kMirror ? kLags : 1); ++m) mir[r][c][m] = C{0, 0};
     }
   load(0, 0);
-  int buf = 0, next_fw = 0, next_chunk = 0;  // the step `next` holds
-  for (int fw = 0; fw < lwf; ++fw) {
+  int buf = 0, next_fh = 0, next_chunk = 0;  // the step `next` holds
+  for (int fh = 0; fh < lh; ++fh) {
     for (int chunk = 0; chunk < chunks; ++chunk, buf ^= 1) {
 #pragma unroll
       for (int k = 0; k < kPerThread; ++k) (&st.x[buf][0][0][0])[threadIdx.x + k * kThreads] = next[k];
-      if (chunk == 0 && threadIdx.x < kLags) st.coef[fw & 1][threadIdx.x] = next_coef;
+      if (chunk == 0 && threadIdx.x < kLags) st.coef[fh & 1][threadIdx.x] = next_coef;
       __syncthreads();
-      if (++next_chunk == chunks) next_chunk = 0, ++next_fw;
-      if (next_fw < lwf) load(next_fw, next_chunk);
+      if (++next_chunk == chunks) next_chunk = 0, ++next_fh;
+      if (next_fh < lh) load(next_fh, next_chunk);
       if constexpr (kFull) {
 #pragma unroll
         for (int bb = 0; bb < kBatchChunk; ++bb) add_sample<R>(st.x[buf], bb, ty, tx, s);
@@ -179,10 +180,10 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
         for (int bb = 0; bb < staged; ++bb) add_sample<R>(st.x[buf], bb, ty, tx, s);
       }
     }
-    if (!dc_row || fw != 0) {
+    if (!dc_row || fh != 0) {
 #pragma unroll
       for (int m = 0; m < kLags; ++m) {
-        const C wm = st.coef[fw & 1][m];
+        const C wm = st.coef[fh & 1][m];
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -226,8 +227,8 @@ __device__ __forceinline__ void tile_rows(const RowsArgs& a, Staged<typename Com
 
 // One launch for a row chunk and up to kMaxLags lags. A row's tiles are adjacent
 // blocks, so that the row's values are read while they are still in L2 (with the rows
-// adjacent instead, a row's tiles ran a launch's rows apart; the seed problem's W stage
-// took 352 us per call that way, 344 this way, docs/performance.md); in a row the
+// adjacent instead, a row's tiles ran a launch's rows apart; the seed problem's W stage, as the
+// S stage was then, took 352 us per call that way, 344 this way, docs/performance.md); in a row the
 // off-diagonal pairs come first (the longer blocks), then the diagonal tiles.
 template <typename T, int R, int kLags, bool kFull>
 __global__ void __launch_bounds__(kSide* kSide, 2) cross_spectrum_kernel(RowsArgs a) {
@@ -290,14 +291,14 @@ at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64
   // group fits 16; float64 keeps R = 1 so its accumulators stay in registers.
   const int side = !is_double && a.cig > kSide ? 2 : 1;
   a.tiles = (a.cig + kSide * side - 1) / (kSide * side);
-  const int64_t rows = count * a.lh, row_tiles = a.tiles * (a.tiles + 1) / 2;
+  const int64_t rows = count * a.lwf, row_tiles = a.tiles * (a.tiles + 1) / 2;
   TORCH_CHECK(rows * row_tiles < (int64_t(1) << 31) && groups < 65536,
               "ct_bn_pool: problem too large for the cross-spectrum path (", to_str(rows),
               " rows, ", to_str(row_tiles), " tiles, ", to_str(groups), " groups)");
   const at::Tensor c = coef.to(is_double ? at::kComplexDouble : at::kComplexFloat).contiguous();
-  auto q = at::empty({count, a.lh, a.lags_total, groups, a.cig, a.cig}, x_spec.options());
-  // FUSED_OPS_W_STAGE=simt: this file's kernel for float32 spectra on sm_90 too.
-  if (!route_forced("FUSED_OPS_W_STAGE", "simt") && cross_spectrum_mma_supported(x_spec, groups)) {
+  auto q = at::empty({count, a.lwf, a.lags_total, groups, a.cig, a.cig}, x_spec.options());
+  // FUSED_OPS_S_STAGE=simt: this file's kernel for float32 spectra on sm_90 too.
+  if (!route_forced("FUSED_OPS_S_STAGE", "simt") && cross_spectrum_mma_supported(x_spec, groups)) {
     cross_spectrum_rows_mma_cuda(x_spec, fd0, count, c, groups, q);
     return q;
   }

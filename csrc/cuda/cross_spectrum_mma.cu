@@ -1,6 +1,6 @@
-// The cross-spectrum path's W stage (docs/math.md §3.5) on the float64 tensor cores of
+// The cross-spectrum path's S stage (docs/math.md §3.5) on the float64 tensor cores of
 // sm_90, for float32 spectra: S_f = sum_b X_f[b]^H X_f[b] by `mma.sync.m16n8k8.f64`,
-// reduced at each fw to the lags' Q[m] = sum_fw coef[fw, m] S_f in float32 registers, as
+// reduced at each fh to the h lags' Q[m] = sum_fh coef[fh, m] S_f in float32 registers, as
 // cross_spectrum.cu does with multiply-adds. Why: that kernel issued 59M instructions per
 // seed launch at 38% of the FMA peak, its diagonal tiles forming 3072 entries of S_f per
 // row for the 2080 the Hermitian symmetry leaves (docs/performance.md, 2026-12-01); a
@@ -10,7 +10,7 @@
 // A warp's task is 16 rows i (block p) by 8 columns j (tile q) of S_f; the tasks with
 // some entry on or above the diagonal are those with q >= 2p. A block's four warps take
 // four consecutive tiles of one block p (or two tiles of each of two blocks p: BlockPlan) and
-// stage, per step of 16 samples of one fw, the 16 row channels and the 32 column channels
+// stage, per step of 16 samples of one fh, the 16 row channels and the 32 column channels
 // they read (32 and 16 for two blocks p), as float64 real and imaginary planes. An entry above the diagonal writes Q at (i, j) and at (j, i) from the four real
 // sums of cross_spectrum.cu's kMirror tiles; one on it writes once; one below writes
 // nothing (the task holding its transpose writes it). A thread's two adjacent entries of a
@@ -44,8 +44,8 @@ constexpr int kMaxLags = 5;
 
 struct MmaArgs {
   const float2* x;     // [Ld, Lh, Lwf, B, Ci]
-  const float2* coef;  // [Lwf, lags_total]
-  float2* q;           // [count, Lh, lags_total, G, Cig, Cig]
+  const float2* coef;  // [Lh, lags_total]
+  float2* q;           // [count, Lwf, lags_total, G, Cig, Cig]
   int64_t fd0, lh, lwf, batch, ci, cig, lags_total, lag0, lags;
   int tiles_q, blocks_per_row;
 };
@@ -139,7 +139,7 @@ __device__ __forceinline__ void store_pair(float2* at, float2 lo, float2 hi) {
 
 struct Smem {
   double x[2][2][kSamples][kPitch];  // [buffer][real, imaginary][sample][staged channel]
-  float2 coef[2][kMaxLags];          // [fw parity][lag]: 0 past the launch's lags
+  float2 coef[2][kMaxLags];          // [fh parity][lag]: 0 past the launch's lags
 };
 
 // A step's staging: each thread moves kPieces pieces of two adjacent channels (16 bytes of
@@ -147,30 +147,30 @@ struct Smem {
 constexpr int kPieces = kSamples * kStaged / 2 / kThreads;  // 3
 static_assert(kSamples * kStaged % (2 * kThreads) == 0, "a step's pieces split evenly over the threads");
 
-// kLag0Real: the launch's first lag is lag 0, whose coefficients are real (c_fw exp(0),
+// kLag0Real: the launch's first lag is lag 0, whose coefficients are real (exp(0),
 // docs/math.md §3.5), so its sums B and D stay 0: 8 multiply-adds and 8 registers fewer.
 template <int kLags, bool kLag0Real>
 __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs a) {
   __shared__ __align__(16) Smem st;
   pdl_chain_start();
-  const int64_t row = blockIdx.x / a.blocks_per_row;  // (fd - fd0) Lh + fh
+  const int64_t row = blockIdx.x / a.blocks_per_row;  // (fd - fd0) Lwf + fw
   const BlockPlan plan = locate(static_cast<int>(blockIdx.x % a.blocks_per_row), a.tiles_q);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t4 = lane % 4;
   const bool paired = plan.rows != kBlockRows;
   const int side = paired ? warp / 2 : 0, p = side == 0 ? plan.p[0] : plan.p[1];  // the warp's row block
   const int q = plan.q0 + (paired ? warp % 2 : warp);       // and column tile
   const bool active = p >= 0 && q < a.tiles_q;
-  const int64_t fd = a.fd0 + row / a.lh, fh = row % a.lh, group = blockIdx.z;
+  const int64_t fd = a.fd0 + row / a.lwf, fw = row % a.lwf, group = blockIdx.z;
   const int i0 = kBlockRows * p, j0 = kTileCols * plan.q0;
-  const int lwf = static_cast<int>(a.lwf), batch = static_cast<int>(a.batch);
+  const int lh = static_cast<int>(a.lh), batch = static_cast<int>(a.batch);
   const int chunks = (batch + kSamples - 1) / kSamples;
-  const bool dc_row = fd == 0 && fh == 0;  // its fw = 0 is the DC bin, left out (§3.5)
+  const bool dc_row = fd == 0 && fw == 0;  // its fh = 0 is the DC bin, left out (§3.5)
 
   // Piece k of this thread: sample e / (kStaged / 2) and pair e % (kStaged / 2) of the step,
   // e = threadIdx.x + k kThreads; the pairs are the block's 16 or 32 row channels, then its 32
   // or 16 column channels. src: its bytes past the step's first value (-1: no such channel); at: its
   // place in a plane of Smem::x (low 16 bits) and its sample (high 16), for the last chunk's bound.
-  const char* x = reinterpret_cast<const char*>(a.x + (fd * a.lh + fh) * a.lwf * a.batch * a.ci + group * a.cig);
+  const char* x = reinterpret_cast<const char*>(a.x + (fd * a.lh * a.lwf + fw) * a.batch * a.ci + group * a.cig);
   int src[kPieces], at[kPieces];
 #pragma unroll
   for (int k = 0; k < kPieces; ++k) {
@@ -185,16 +185,17 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
   const int64_t step_bytes = a.ci * 8;  // one sample's values
   float4 next[kPieces];
   float2 next_coef = float2{0, 0};
-  auto load = [&](int fw, int chunk) {
+  const int64_t fh_bytes = a.lwf * a.batch * step_bytes;  // from one fh to the next
+  auto load = [&](int fh, int chunk) {
     const int b0 = chunk * kSamples;
-    const char* base = x + (int64_t(fw) * batch + b0) * step_bytes;
+    const char* base = x + fh * fh_bytes + b0 * step_bytes;
 #pragma unroll
     for (int k = 0; k < kPieces; ++k) {
       next[k] = src[k] >= 0 && (at[k] >> 16) < batch - b0 ? __ldg(reinterpret_cast<const float4*>(base + src[k]))
                                                       : float4{0, 0, 0, 0};
     }
     if (chunk == 0 && threadIdx.x < kLags) {
-      next_coef = threadIdx.x < a.lags ? __ldg(a.coef + fw * a.lags_total + a.lag0 + threadIdx.x) : float2{0, 0};
+      next_coef = threadIdx.x < a.lags ? __ldg(a.coef + fh * a.lags_total + a.lag0 + threadIdx.x) : float2{0, 0};
     }
   };
   // Per entry e of the thread's four (d0..d3 of the MMA), the lags' sums (A, C) in acc and
@@ -209,8 +210,8 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
   const int rows = kBlockRows * side, col = plan.rows + kTileCols * (q - plan.q0) - rows;
 
   load(0, 0);
-  int buf = 0, next_fw = 0, next_chunk = 0;
-  for (int fw = 0; fw < lwf; ++fw) {
+  int buf = 0, next_fh = 0, next_chunk = 0;
+  for (int fh = 0; fh < lh; ++fh) {
     for (int chunk = 0; chunk < chunks; ++chunk, buf ^= 1) {
       double* re_plane = &st.x[buf][0][0][0];
 #pragma unroll
@@ -219,16 +220,16 @@ __global__ void __launch_bounds__(kThreads, 3) cross_spectrum_mma_kernel(MmaArgs
         *reinterpret_cast<double2*>(to) = double2{next[k].x, next[k].z};
         *reinterpret_cast<double2*>(to + kSamples * kPitch) = double2{next[k].y, next[k].w};
       }
-      if (chunk == 0 && threadIdx.x < kLags) st.coef[fw & 1][threadIdx.x] = next_coef;
+      if (chunk == 0 && threadIdx.x < kLags) st.coef[fh & 1][threadIdx.x] = next_coef;
       __syncthreads();
-      if (++next_chunk == chunks) next_chunk = 0, ++next_fw;
-      if (next_fw < lwf) load(next_fw, next_chunk);
+      if (++next_chunk == chunks) next_chunk = 0, ++next_fh;
+      if (next_fh < lh) load(next_fh, next_chunk);
       if (active) add_step(&st.x[buf][0][t4][g + rows], col, min(batch - chunk * kSamples, kSamples), re, im);
     }
-    if (active && (!dc_row || fw != 0)) {
+    if (active && (!dc_row || fh != 0)) {
 #pragma unroll
       for (int m = 0; m < kLags; ++m) {
-        const float2 w = st.coef[fw & 1][m];
+        const float2 w = st.coef[fh & 1][m];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float sr = static_cast<float>(re[e]), si = static_cast<float>(im[e]);
@@ -316,7 +317,7 @@ void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t
   a.q = static_cast<float2*>(q.data_ptr());
   // The kernel stores two entries of Q at a time, 16 bytes (q: at::empty, cross_spectrum.cu).
   TORCH_CHECK(q.is_contiguous() && reinterpret_cast<std::uintptr_t>(a.q) % 16 == 0,
-              "ct_bn_pool: the cross-spectrum path's W stage needs a contiguous, 16-byte aligned output");
+              "ct_bn_pool: the cross-spectrum path's S stage needs a contiguous, 16-byte aligned output");
   a.fd0 = fd0;
   a.lh = x_spec.size(1);
   a.lwf = x_spec.size(2);
@@ -325,12 +326,12 @@ void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t
   a.cig = a.ci / groups;
   a.lags_total = coef.size(1);
   const int64_t tiles_q = (a.cig + kTileCols - 1) / kTileCols;
-  TORCH_CHECK(tiles_q < (int64_t(1) << 16), "ct_bn_pool: too many channels per group for the cross-spectrum path's W stage (",
+  TORCH_CHECK(tiles_q < (int64_t(1) << 16), "ct_bn_pool: too many channels per group for the cross-spectrum path's S stage (",
               to_str(a.cig), ")");
   const int64_t per_row = blocks_per_row(static_cast<int>(tiles_q));
-  const int64_t rows = count * a.lh;
+  const int64_t rows = count * a.lwf;
   TORCH_CHECK(rows * per_row < (int64_t(1) << 31) && groups < 65536,
-              "ct_bn_pool: problem too large for the cross-spectrum path's W stage (", to_str(rows), " rows, ",
+              "ct_bn_pool: problem too large for the cross-spectrum path's S stage (", to_str(rows), " rows, ",
               to_str(per_row), " blocks per row, ", to_str(groups), " groups)");
   a.tiles_q = static_cast<int>(tiles_q);
   a.blocks_per_row = static_cast<int>(per_row);

@@ -83,23 +83,23 @@ bool fft_applies_cuda(const ConvGeometry& g, at::ScalarType dtype) {
 // beyond it): one lag, R is x's channel Gram matrix (docs/math.md §3.4).
 bool single_lag(const ConvGeometry& g) { return Lags(phase_geometry(g)).count() == 1; }
 
-// Complex multiply-adds of the cross-spectrum's S_f and W stage per call, every (i, j)
-// pair counted (docs/math.md §3.5), and the bytes of its D stage's float64 lags.
+// Complex multiply-adds of the cross-spectrum's S stage (S_f and its h lags) per call, every
+// (i, j) pair counted (docs/math.md §3.5), and the bytes of its D stage's float64 lags.
 double cross_spectrum_work(const ConvGeometry& g) {
   const ConvGeometry sub = phase_geometry(g);
   const double freqs = static_cast<double>(sub.out_size[0] * sub.out_size[1] * (sub.out_size[2] / 2 + 1));
   const double cig = static_cast<double>(g.in_group_channels());
-  return freqs * static_cast<double>(g.groups) * cig * cig * static_cast<double>(g.batch + sub.kernel[2]);
+  return freqs * static_cast<double>(g.groups) * cig * cig * static_cast<double>(g.batch + sub.kernel[1]);
 }
 double cross_spectrum_lag_bytes(const ConvGeometry& g) {
   const Lags lags(phase_geometry(g));
   const double cig = static_cast<double>(g.in_group_channels());
-  return 16.0 * static_cast<double>((2 * lags.reach[0] + 1) * (2 * lags.reach[1] + 1) * (lags.reach[2] + 1) *
+  return 16.0 * static_cast<double>((2 * lags.reach[0] + 1) * (2 * lags.reach[2] + 1) * (lags.reach[1] + 1) *
                                     g.groups) * cig * cig;
 }
 
 // At stride 1 the cross-spectrum takes less GPU time than the FFT path where its
-// per-frequency work (B + k_w) Cig^2 is below the FFT path's (B + k_d) Cig Cog and its
+// per-frequency work (B + k_h) Cig^2 is below the FFT path's (B + k_d) Cig Cog and its
 // work is large enough to cover its fixed costs; it also issues about 1 ms of host work
 // per call (several hundred ATen ops), which an eager loop pays whenever its GPU time is
 // shorter. docs/performance.md, 14:14 UTC run (multiply-adds: GPU ms against fft's):
@@ -109,7 +109,7 @@ constexpr double kCrossSpectrumMinWork = 4e8;
 constexpr double kMaxLagBytes = 256.0 * (1 << 20);
 bool cross_spectrum_beats_fft(const ConvGeometry& g) {
   const ConvGeometry sub = phase_geometry(g);
-  const int64_t per_freq_cs = (g.batch + sub.kernel[2]) * g.in_group_channels();
+  const int64_t per_freq_cs = (g.batch + sub.kernel[1]) * g.in_group_channels();
   const int64_t per_freq_fft = (g.batch + sub.kernel[0]) * g.out_group_channels();
   return per_freq_cs <= per_freq_fft && cross_spectrum_work(g) >= kCrossSpectrumMinWork &&
          cross_spectrum_lag_bytes(g) <= kMaxLagBytes;

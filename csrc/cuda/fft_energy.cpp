@@ -104,7 +104,7 @@ at::Tensor energy_fft_cuda(const at::Tensor& x, const at::Tensor& weight,
   SpectrumGeometry s;
   for (int d = 0; d < 3; ++d) s.L[d] = sub.out_size[d];
   s.Lwf = s.L[2] / 2 + 1;
-  const at::Tensor x_spec = x_spectrum(x, s.L, kCudaSpectrumKernels, sums.spectrum_plane_sums());
+  const at::Tensor x_spec = x_spectrum(x, s.L, kCudaSpectrumKernels, sums.spectrum_channel_sums());
   if (!is_full_convolution(g)) return polyphase_energy(x_spec, weight, sums, g, sub, s);
   auto energy = at::empty({1, g.out_channels, s.pairs()}, x.options().dtype(at::kDouble));
   grid_energy(x_spec, weight, sub, s, energy);

@@ -1,6 +1,6 @@
 #pragma once
 // The environment variables that force a kernel's other route where the default would take
-// the first (FUSED_OPS_W_STAGE, FUSED_OPS_CONTRACTION: docs/math.md §3.5), so that the tests
+// the first (FUSED_OPS_S_STAGE, FUSED_OPS_CONTRACTION: docs/math.md §3.5), so that the tests
 // run both on one GPU, or turn the overlapping launches off (FUSED_OPS_OVERLAP, pdl.cuh). Read
 // at every call: a test sets them within the process.
 #include <ATen/ATen.h>

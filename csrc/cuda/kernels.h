@@ -47,16 +47,16 @@ at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& weight,
                               const SampleSumTensors& sums, const ConvGeometry& g);
 void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
 // Backend::cross_spectrum_rows (docs/math.md §3.5): cross_spectrum.cu, one block per
-// (fd, fh) row and tile of (i, j) pairs, the W stage applied as each fw's matrix is made.
+// (fd, fw) row and tile of (i, j) pairs, the h lags' sums added as each fh's matrix is made.
 // float32 spectra on sm_90 take cross_spectrum_mma.cu (float64 tensor cores) where
-// cross_spectrum_mma_supported, unless FUSED_OPS_W_STAGE=simt; else cross_spectrum.cu.
+// cross_spectrum_mma_supported, unless FUSED_OPS_S_STAGE=simt; else cross_spectrum.cu.
 at::Tensor cross_spectrum_rows_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);
 // Whether cross_spectrum_rows_mma_cuda runs for this spectrum: complex64, groups of an
 // even number of channels, a binary of compute_90 or later on its device, sizes its int
 // offsets hold.
 bool cross_spectrum_mma_supported(const at::Tensor& x_spec, int64_t groups);
-// Writes q [count, Lh, lags, G, Cig, Cig] complex64 (coef: complex64, contiguous).
+// Writes q [count, Lwf, lags, G, Cig, Cig] complex64 (coef: complex64, contiguous).
 void cross_spectrum_rows_mma_cuda(const at::Tensor& x_spec, int64_t fd0, int64_t count, const at::Tensor& coef,
                                   int64_t groups, const at::Tensor& q);
 // Backend::lag_stage: lag_stage.cu, one thread per column.
@@ -83,7 +83,7 @@ at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, co
 // SpectrumKernels (x_spectrum.h): x_spectrum_dft.cu, and x_spectrum_copies.cu around cuFFT
 // where it does not apply (ATen's copies for other layouts).
 bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum,
-                         const at::Tensor& plane_sums);
+                         const at::Tensor& channel_sums);
 void pad_cuda(const at::Tensor& x, const at::Tensor& padded);
 void scatter_cuda(const at::Tensor& part, const at::Tensor& spectrum, int64_t b0);
 constexpr SpectrumKernels kCudaSpectrumKernels = {x_spectrum_dft_cuda, pad_cuda, scatter_cuda};

@@ -1,4 +1,4 @@
-// The cross-spectrum path's H and D stages (docs/math.md §3.5): one dim of
+// The cross-spectrum path's W and D stages (docs/math.md §3.5): one dim of
 // frequencies reduced to the DFT of its lags, out[a, m, c] (+)= sum_f coef[f, m] q[a, f, c],
 // with few outputs m (2k' - 1, called lags below) and many columns c (those of the dims
 // already reduced times channel pairs). As a GEMM its M is the lag count, too small for cuBLAS's complex
@@ -40,14 +40,18 @@ __device__ __forceinline__ float2 narrow_to(double2 v, float2) {
 
 // Q's loads are issued kAhead<C> frequencies before their use (32 bytes in flight per thread)
 // and the coefficients are read from shared memory: with one load of Q in flight per thread,
-// and the coefficients loaded beside it, the seed problem's H stage spent 67% of its stalls
-// waiting on them with DRAM at 11% of peak (ncu, docs/performance.md). The coefficients are
-// real, so each product is two DFMAs.
+// and the coefficients loaded beside it, the seed problem's H stage (the second stage then)
+// spent 67% of its stalls waiting on them with DRAM at 11% of peak (ncu, docs/performance.md).
+// On the seed shape, deeper prefetching, several threads per column, Q transposed or in blocks
+// of columns and the float64 tensor cores came within 2 us of this design or were slower; only a
+// kernel compiled for the exact shape was faster, 27.7 us against 33.1 (scripts/lag_stage_variants.cu,
+// docs/performance.md, 2026-12-01 15:47 UTC). The coefficients are real, so each product is two
+// DFMAs.
 template <typename C>
 constexpr int kAhead = 32 / sizeof(C);
 constexpr int kFreqTile = 64;  // coefficients staged per pass: kFreqTile x kLags
 
-// Cout: the sums' type as stored, float2 for the H stage of float32 spectra (its float64
+// Cout: the sums' type as stored, float2 for the W stage of float32 spectra (its float64
 // sums rounded once, as Q's are).
 template <typename C, typename Cout, int kLags>
 __global__ void __launch_bounds__(kThreads, 3) lag_stage_kernel(StageArgs a) {

@@ -57,7 +57,7 @@ void launch_overlapping(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cu
   launch_overlapping(kernel, grid, block, size_t{0}, stream, std::forward<Args>(args)...);
 }
 
-// The training path's chain of kernels (x's spectrum, the W, H and D stages, correlation_blocks,
+// The training path's chain of kernels (x's spectrum, the S, W and D stages, correlation_blocks,
 // tap_spectrum, the fused contraction): each is launched with launch_overlapping and begins with
 // pdl_chain_start, before it touches global memory, so the next kernel's launch and block
 // scheduling overlap this one's last blocks instead of following them (seed training call,
