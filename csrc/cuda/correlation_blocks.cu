@@ -7,7 +7,11 @@
 // contraction as much). It replaces R' as a tensor (its real part, its mirrored lags), ATen's
 // rfftn of it and the copies around them (docs/performance.md). One thread per (g_d, g_w) and
 // (group, i, j): it reads its entry and the transposed one at g and -g once per m_h, and
-// every g_h takes its sum from those loads.
+// every g_h takes its sum from those loads (27.0 us per seed call). While w was reduced first, a
+// thread took the bins g and -g together (22.4 us); with g = (g_d, g_w), -g has g_w past the
+// half the contraction keeps. A thread per (i <= j), writing (j, i) as the conjugate, was no
+// faster; staging the transposed entries through shared memory, in 32 x 32 tiles, made an
+// older version slower (docs/performance.md, 2026-11-30 and 2026-12-01 16:33 UTC).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
