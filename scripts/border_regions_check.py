@@ -4,6 +4,12 @@ pad2; both sides of each dim's cut as two channel groups, the dims alike in one 
 through the op as the padding-0 problems they are.
 
     python scripts/border_regions_check.py [--problem NAME] [--algos fft,cross_spectrum,sliced_conv]
+        [--orientations]
+
+--orientations also runs each plane problem with its one-position dim moved to the depth and to
+the width (the same work, another layout): the FFT path prefers a whole depth
+(border_energy.cpp's Region::order), while the cross-spectrum path, which reduces fh first
+(docs/math.md §3.5), runs one fh step per row where the height has one position.
 
 Timed as the bench times its rows (bench_ct_bn_pool.CudaClock: CUDA events, warm-up, the
 host's issue hidden behind a GPU sleep, median of 10 calls), inputs rotated over 4 tensors.
@@ -37,13 +43,33 @@ def plane_problems(name):
              2 * len(dims)) for (sizes, taps), dims in sides.items()]
 
 
+def orientations(label, x_shape, w_shape, groups):
+    """The plane problem as border_energy.cpp lays it out (its one-position dim at the height),
+    then with that dim at the depth and at the width: x's and the weight's last three dims
+    permuted alike."""
+    yield label, x_shape, w_shape, groups
+    x_sizes, taps = x_shape[2:], w_shape[2:]
+    one = x_sizes.index(1)
+    for name, to in (("1 at depth", 0), ("1 at width", 2)):
+        if to == one:
+            continue
+        order = list(range(3))
+        order[one], order[to] = to, one
+        yield (f"{label} ({name})", tuple(x_shape[:2]) + tuple(x_sizes[i] for i in order),
+               tuple(w_shape[:2]) + tuple(taps[i] for i in order), groups)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--problem", default="pad2")
     parser.add_argument("--algos", default="fft,cross_spectrum,sliced_conv")
+    parser.add_argument("--orientations", action="store_true")
     args = parser.parse_args()
     clock = CudaClock()
-    for label, x_shape, w_shape, groups in plane_problems(args.problem):
+    problems = plane_problems(args.problem)
+    if args.orientations:
+        problems = [oriented for problem in problems for oriented in orientations(*problem)]
+    for label, x_shape, w_shape, groups in problems:
         inputs = [torch.randn(x_shape, device="cuda") for _ in range(4)]
         next_input = itertools.cycle(inputs).__next__
         weight = torch.randn(w_shape, device="cuda")
