@@ -12,6 +12,8 @@
 // added.
 #include "ct_bn_pool.h"
 
+#include <ATen/record_function.h>
+
 #include <algorithm>
 #include <array>
 #include <vector>
@@ -60,17 +62,18 @@ std::vector<Side> cut_sides(const ConvGeometry& g, const ConvGeometry& full, int
 struct Region {
   bool cut[3];
   Side side[3];
-  // order()[q]: the dim of x at the region's problem's dim q. It keeps a whole dim of x as
-  // the problem's depth where there is one: the FFT path's kernel spreads a block's threads
-  // over the depth frequencies, and with one position there it runs blocks of 16 threads.
-  // Measured only together with other changes (docs/performance.md, 2026-12-01 06:17 UTC):
-  // whether it pays for the depth's planes on their own is open.
+  // Where the region's problem takes the FFT path, whose kernel spreads a block's threads
+  // over the depth frequencies (blocks of 16 threads where the depth has one position).
+  bool whole_depth = false;
+  // order()[q]: the dim of x at the region's problem's dim q: the cut dims first (their one
+  // position at the depth, which the cross-spectrum path reduces last: docs/math.md §3.6),
+  // or, with whole_depth, a whole dim of x first where there is one.
   std::array<int, 3> order() const {
-    std::array<int, 3> o = {0, 1, 2};
-    for (int q = 1; q < 3 && cut[0]; ++q) {
-      if (!cut[q]) {
-        std::swap(o[0], o[q]);
-        break;
+    std::array<int, 3> o;
+    int q = 0;
+    for (const bool first : {whole_depth, !whole_depth}) {
+      for (int d = 0; d < 3; ++d) {
+        if (cut[d] != first) o[q++] = d;
       }
     }
     return o;
@@ -122,6 +125,19 @@ ConvGeometry region_geometry(const ConvGeometry& full, const Region& r) {
   sub.in_channels = full.in_channels * r.planes_in();
   sub.out_channels = full.out_channels * r.planes_out();
   return sub;
+}
+
+// Each plane region's layout: cut dim first unless its problem (one region alone) then takes
+// the FFT path (measured on pad2's planes, docs/performance.md 2026-12-01 17:56 UTC: the
+// cross-spectrum path 0.39–0.41 ms with the one position at the depth, 0.68–0.75 at the
+// width; the FFT path 0.60–1.03 with a whole depth, 1.20–2.26 without).
+void choose_layouts(const Backend& backend, const ConvGeometry& full, std::vector<Region>& rs,
+                    at::ScalarType dtype) {
+  for (Region& r : rs) {
+    if (r.dims() != 1) continue;
+    r.whole_depth = false;
+    r.whole_depth = backend.auto_energy_algo(region_geometry(full, r), dtype) == EnergyAlgo::Fft;
+  }
 }
 
 // x's planes of the region, [B, Ci, planes_in, sizes of sub]: the cut dims moved next to
@@ -345,7 +361,9 @@ struct RegionTables {
 RegionTables region_tables(const Backend& backend, const ConvGeometry& g, const ConvGeometry& full,
                            const std::vector<Region>& rs, const at::Tensor& w) {
   static auto* cache = new TableCache<RegionTables>();  // never destroyed: CUDA tensors at exit
-  std::vector<int64_t> key = {static_cast<int64_t>(w.scalar_type())};
+  // The batch and channels pick the plane regions' layouts (choose_layouts), so they key too.
+  std::vector<int64_t> key = {static_cast<int64_t>(w.scalar_type()), g.batch, g.in_channels, g.out_channels,
+                              g.groups};
   for (int d = 0; d < 3; ++d) {
     key.insert(key.end(), {g.in_size[d], g.kernel[d], g.stride[d], g.dilation[d], g.padding[d],
                            g.output_padding[d]});
@@ -471,15 +489,22 @@ double crop_fraction(const ConvGeometry& g) {
 at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::Tensor& weight,
                          const SampleSumTensors& sums, const ConvGeometry& g) {
   const ConvGeometry full = full_geometry(g);
-  const std::vector<Region> rs = regions(g, full);
+  std::vector<Region> rs = regions(g, full);
+  const at::ScalarType dtype = x.scalar_type();
+  choose_layouts(backend, full, rs, dtype);
   const RegionTables tables = region_tables(backend, g, full, rs, weight);
   const auto crop_means = sample_conv_sums(sums, g)
                               .div_(static_cast<double>(g.out_spatial()))
                               .view({g.batch, g.groups, 1, g.out_group_channels()});
-  const at::ScalarType dtype = x.scalar_type();
   // The full grid's term, then those of the planes and of the lines and corners (§3.6).
-  auto energy = region_energy(backend, backend.auto_energy_algo(full, dtype), x, weight, full, crop_means, 1, 1);
+  // The profiler's ranges (scripts/profile_seed.py's `ranges`) name the three kinds of term.
+  at::Tensor energy;
+  {
+    RECORD_FUNCTION("fused_ops::border_full_grid", std::vector<c10::IValue>());
+    energy = region_energy(backend, backend.auto_energy_algo(full, dtype), x, weight, full, crop_means, 1, 1);
+  }
   for (const PlaneGroup& pg : tables.planes) {
+    RECORD_FUNCTION("fused_ops::border_planes", std::vector<c10::IValue>());
     const Region& r = rs[pg.members[0]];
     const int64_t sides = static_cast<int64_t>(pg.members.size());
     const ConvGeometry sub = plane_group_geometry(full, r, sides);
@@ -492,6 +517,7 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
     energy.sub_(region_energy(backend, algo, xs, ws, sub, crop_means, sides, r.planes_out()));
   }
   for (const ValueGroup& vg : tables.groups) {
+    RECORD_FUNCTION("fused_ops::border_lines_corners", std::vector<c10::IValue>());
     const Region& r = rs[vg.members[0]];
     const ConvGeometry sub = region_geometry(full, r);
     const auto term = group_values_energy(x, weight, g, sub, vg, r.planes_in(), r.planes_out(), crop_means);

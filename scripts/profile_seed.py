@@ -1,6 +1,6 @@
 """Per-kernel GPU times of the fused op on a bench problem (torch.profiler), for tuning.
 
-    python scripts/profile_seed.py [eval|train] [contiguous|channels_last_3d] [algo] [host|wall]
+    python scripts/profile_seed.py [eval|train] [contiguous|channels_last_3d] [algo] [host|wall|ranges]
         [--problem NAME] [--no-overlap]
 
 NAME is one of bench/bench_ct_bn_pool.py's CUDA problems (default: seed). --no-overlap sets
@@ -11,6 +11,8 @@ previous one (with the overlap, the table's times include it, and their sum exce
 With `host`, the table is the host side instead: ATen ops by self CPU time, how many
 each call issues, and the wall time of issuing one call (no synchronization), with the GPU
 busy and with it idle. With
+`ranges`, the GPU time of the kernels under each of the op's own profiler ranges (those
+csrc/border_energy.cpp names: the full grid, the plane problems, the lines and corners). With
 `wall`, only the wall time per call of 50 calls issued back to back (what an eager loop
 of this op sees: the larger of its host and GPU time), no profiler.
 """
@@ -45,6 +47,7 @@ memory_format = {"contiguous": torch.contiguous_format,
 algo = sys.argv[3] if len(sys.argv) > 3 else "auto"
 host = len(sys.argv) > 4 and sys.argv[4] == "host"
 wall = len(sys.argv) > 4 and sys.argv[4] == "wall"
+ranges = len(sys.argv) > 4 and sys.argv[4] == "ranges"
 m = fused_ops.ConvTransposeBNPool3d(c_in, c_out, kernel, 2.0, **conv_options(problem),
                                     algo=algo).cuda().train(mode == "train")
 xs = [torch.randn(batch, c_in, *size, device="cuda").contiguous(memory_format=memory_format)
@@ -82,6 +85,8 @@ with torch.no_grad():
             print(f"host: issuing one call takes {issue_us[len(issue_us) // 2]:.0f} us with the GPU {state}"
                   f" (median of {calls})")
     activities = [ProfilerActivity.CPU] if host else [ProfilerActivity.CUDA]
+    if ranges:
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     with profile(activities=activities) as prof:
         for i in range(calls):
             m(xs[i % len(xs)])
@@ -94,6 +99,11 @@ if host:
     print(f"{'us/call':>8} {'n/call':>6}  op (self CPU time)")
     for e in rows:
         print(f"{e.self_cpu_time_total / calls:8.1f} {e.count / calls:6.1f}  {e.key[:100]}")
+elif ranges:  # the op's own profiler ranges (csrc's RECORD_FUNCTION): GPU time of their kernels
+    print(f"{'us/call':>8} {'n/call':>6}  range (GPU time of the kernels it launched)")
+    for e in events:
+        if e.key.startswith("fused_ops::") and e.key != "fused_ops::ct_bn_pool":
+            print(f"{e.device_time_total / calls:8.1f} {e.count / calls:6.1f}  {e.key}")
 else:  # one line per kernel: its GPU time per call, launches per call, name
     kernels = [e for e in events if e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in kernels) / calls

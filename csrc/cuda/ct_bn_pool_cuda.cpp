@@ -105,13 +105,17 @@ double cross_spectrum_lag_bytes(const ConvGeometry& g) {
 // shorter. docs/performance.md, 14:14 UTC run (multiply-adds: GPU ms against fft's):
 // s8 2.3e8: 0.86 against 0.48; b4 5.0e8: 1.16 against 1.72 (issue 0.97 ms); k3 8.6e8:
 // 1.10 against 1.72; seed 1.2e9: 1.59 against 2.07. Its lags stay under kMaxLagBytes.
+// With one position in the depth the FFT path runs blocks of 16 threads (its threads span
+// the depth frequencies), and no minimum applies: `border`'s plane problems (pad2's d
+// planes: 2.3e8, 0.41 ms against 2.26; 2026-12-01 17:56 UTC, docs/performance.md).
 constexpr double kCrossSpectrumMinWork = 4e8;
 constexpr double kMaxLagBytes = 256.0 * (1 << 20);
 bool cross_spectrum_beats_fft(const ConvGeometry& g) {
   const ConvGeometry sub = phase_geometry(g);
   const int64_t per_freq_cs = (g.batch + sub.kernel[1]) * g.in_group_channels();
   const int64_t per_freq_fft = (g.batch + sub.kernel[0]) * g.out_group_channels();
-  return per_freq_cs <= per_freq_fft && cross_spectrum_work(g) >= kCrossSpectrumMinWork &&
+  const bool pays = sub.out_size[0] == 1 || cross_spectrum_work(g) >= kCrossSpectrumMinWork;
+  return per_freq_cs <= per_freq_fft && pays &&
          cross_spectrum_lag_bytes(g) <= kMaxLagBytes;
 }
 
