@@ -508,8 +508,12 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
     const Region& r = rs[pg.members[0]];
     const int64_t sides = static_cast<int64_t>(pg.members.size());
     const ConvGeometry sub = plane_group_geometry(full, r, sides);
-    const at::Tensor xs = region_input(x, rs, pg.members, sub);
-    const at::Tensor ws = region_weight(weight, g, pg.pick, sub);
+    at::Tensor xs, ws;
+    {
+      RECORD_FUNCTION("fused_ops::border_plane_inputs", std::vector<c10::IValue>());
+      xs = region_input(x, rs, pg.members, sub);
+      ws = region_weight(weight, g, pg.pick, sub);
+    }
     // The path `auto` takes for one region alone, so that grouping changes how many problems
     // run, not their products: the paths apply by the spatial geometry, but auto's thresholds
     // on work would move some (pad2's d and w planes from fft to cross_spectrum; not measured).

@@ -99,11 +99,25 @@ if host:
     print(f"{'us/call':>8} {'n/call':>6}  op (self CPU time)")
     for e in rows:
         print(f"{e.self_cpu_time_total / calls:8.1f} {e.count / calls:6.1f}  {e.key[:100]}")
-elif ranges:  # the op's own profiler ranges (csrc's RECORD_FUNCTION): GPU time of their kernels
-    print(f"{'us/call':>8} {'n/call':>6}  range (GPU time of the kernels it launched)")
-    for e in events:
-        if e.key.startswith("fused_ops::") and e.key != "fused_ops::ct_bn_pool":
-            print(f"{e.device_time_total / calls:8.1f} {e.count / calls:6.1f}  {e.key}")
+elif ranges:  # the op's border ranges (csrc's RECORD_FUNCTION): the kernels launched under each
+    def kernels_under(e):
+        for k in e.kernels:
+            yield k
+        for c in e.cpu_children:
+            yield from kernels_under(c)
+
+    per_range = {}
+    for e in prof.events():
+        if e.name.startswith("fused_ops::border"):
+            table = per_range.setdefault(e.name, {})
+            for k in kernels_under(e):
+                n, t = table.get(k.name, (0, 0.0))
+                table[k.name] = (n + 1, t + k.duration)
+    for name, table in per_range.items():
+        total = sum(t for _, t in table.values()) / calls
+        print(f"{name}: GPU time {total:.1f} us per call, {sum(n for n, _ in table.values()) / calls:.0f} kernels")
+        for kname, (n, t) in sorted(table.items(), key=lambda kv: -kv[1][1])[:12]:
+            print(f"  {t / calls:8.1f} {n / calls:6.1f}  {kname[:100]}")
 else:  # one line per kernel: its GPU time per call, launches per call, name
     kernels = [e for e in events if e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in kernels) / calls
