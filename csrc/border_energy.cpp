@@ -258,6 +258,17 @@ at::Tensor input_positions(const ConvGeometry& g, const Region& r, const at::Ten
   return planes.view({-1, 1}) + positions.view({1, -1});
 }
 
+// What makes two regions' problems alike: their planes and their problem's geometry.
+std::vector<int64_t> problem_key(const ConvGeometry& full, const Region& r) {
+  const ConvGeometry sub = region_geometry(full, r);
+  std::vector<int64_t> key = {r.planes_in(), r.planes_out()};
+  for (int q = 0; q < 3; ++q) {
+    key.insert(key.end(), {sub.in_size[q], sub.out_size[q], sub.kernel[q], sub.stride[q], sub.dilation[q],
+                           sub.output_padding[q]});
+  }
+  return key;
+}
+
 // Lines and corners whose cut sides have the same plane counts (both sides of a symmetric
 // padding) have problems of one shape, differing only in x's planes and the weight's taps:
 // they are formed together, one batched GEMM per group of them.
@@ -291,11 +302,10 @@ std::vector<std::vector<size_t>> group_regions(const std::vector<Region>& rs, Ad
 std::vector<ValueGroup> value_groups(const ConvGeometry& g, const ConvGeometry& full,
                                      const std::vector<Region>& rs, const at::TensorOptions& opts) {
   std::vector<ValueGroup> groups;
-  const auto members = group_regions(rs, values_pay, [](const Region& r) {
-    std::vector<int64_t> key;
-    for (int d = 0; d < 3; ++d) {
-      key.insert(key.end(), {r.cut[d], r.cut[d] ? r.side[d].ni : 0, r.cut[d] ? r.side[d].nj : 0});
-    }
+  // Problems of one shape (lines whose whole dims match, D's and H's say), of one sign.
+  const auto members = group_regions(rs, values_pay, [&](const Region& r) {
+    std::vector<int64_t> key = problem_key(full, r);
+    key.push_back(r.dims());
     return key;
   });
   for (const std::vector<size_t>& m : members) groups.push_back({m, {}, {}, {}, {}});
@@ -326,15 +336,8 @@ std::vector<ValueGroup> value_groups(const ConvGeometry& g, const ConvGeometry& 
 // problem's pipeline issues hundreds of ATen ops and, on CUDA, dozens of launches, whatever
 // its channels; its work is the members' together.
 std::vector<std::vector<size_t>> plane_groups(const ConvGeometry& full, const std::vector<Region>& rs) {
-  return group_regions(rs, [](const Region& r) { return r.dims() == 1; }, [&](const Region& r) {
-    const ConvGeometry sub = region_geometry(full, r);
-    std::vector<int64_t> key = {r.planes_in(), r.planes_out()};
-    for (int q = 0; q < 3; ++q) {
-      key.insert(key.end(), {sub.in_size[q], sub.out_size[q], sub.kernel[q], sub.stride[q],
-                             sub.dilation[q], sub.output_padding[q]});
-    }
-    return key;
-  });
+  return group_regions(rs, [](const Region& r) { return r.dims() == 1; },
+                       [&](const Region& r) { return problem_key(full, r); });
 }
 
 // The problem of a plane group: its members' problem with `sides` times the channel groups,
@@ -408,37 +411,43 @@ constexpr int64_t kColumnBytes = int64_t(64) << 20;
 // sum over a value group's regions of (y - m)^2 per channel [Co], m the crop's sample means
 // [B, G, 1, Cog], from their outputs y formed in float64 (products of float32 values are exact
 // there): x's planes gathered, im2col over the whole dim's taps, one GEMM per (region, group),
-// over slices of the batch.
+// over slices of the batch. The columns' inner index is (tap, ci, input plane), so that the
+// gather writes them in the GEMM's layout (no transposing copy of the largest tensor), and the
+// GEMM starts from -m, so that y comes out centred and one norm reduces it.
 at::Tensor group_values_energy(const at::Tensor& x, const at::Tensor& w, const ConvGeometry& g,
                                const ConvGeometry& sub, const ValueGroup& vg, int64_t planes_in,
                                int64_t planes_out, const at::Tensor& crop_means) {
   const int64_t R = static_cast<int64_t>(vg.members.size()), G = g.groups;
   const int64_t cig = g.in_group_channels(), cog = g.out_group_channels();
   const int64_t L = sub.in_spatial(), F = sub.out_spatial(), k = sub.taps();
-  // [R G, cig P_in k, P_out cog]: each member's weight, its rows (ci, planes, tap).
+  const auto dopts = x.options().dtype(at::kDouble);
+  // [R G, k cig P_in, P_out cog]: each member's weight, its rows (tap, ci, plane).
   auto picked = w.view({g.in_channels, cog, g.taps()}).index_select(2, vg.tap_index.flatten());
   picked = picked.view({G, cig, cog, R, planes_in, planes_out, k}).mul_(vg.tap_mask);
-  const auto wd = picked.permute({3, 0, 1, 4, 6, 5, 2})
-                      .reshape({R * G, cig * planes_in * k, planes_out * cog}).to(at::kDouble);
+  const auto wd = at::empty({R, G, k, cig, planes_in, planes_out, cog}, dopts)
+                      .copy_(picked.permute({3, 0, 6, 1, 4, 5, 2}))
+                      .view({R * G, k * cig * planes_in, planes_out * cog});
   const auto xs = x.reshape({g.batch, g.in_channels, g.in_spatial()});
-  const auto means = crop_means.permute({1, 0, 2, 3}).reshape({1, G, g.batch, 1, 1, cog});
+  const auto neg_means = crop_means.view({g.batch, G, cog}).neg().permute({1, 0, 2});  // [G, B, Cog]
   const int64_t sample_bytes =
       R * F * std::max(g.in_channels * planes_in * k, g.out_channels * planes_out) * int64_t(sizeof(double));
   const int64_t slice = std::max<int64_t>(1, kColumnBytes / sample_bytes);
-  auto total = at::zeros({G, cog}, x.options().dtype(at::kDouble));
+  auto total = at::zeros({G, cog}, dopts);
   for (int64_t b0 = 0; b0 < g.batch; b0 += slice) {
     const int64_t n = std::min(slice, g.batch - b0);
-    // x's planes of every member, a zero position appended that the columns read where no
-    // input lands: [n, Ci, R P_in, L + 1].
-    const auto planes = at::constant_pad_nd(
-        xs.narrow(0, b0, n).index_select(2, vg.positions.flatten()).to(at::kDouble)
-            .view({n, g.in_channels, R * planes_in, L}), {0, 1});
+    // x's planes of every member, [R, G, n, L + 1, cig, P_in] float64, a zero position appended
+    // that the columns read where no input lands.
+    const auto gathered = xs.narrow(0, b0, n).index_select(2, vg.positions.flatten())
+                              .view({n, G, cig, R, planes_in, L});
+    auto planes = at::zeros({R, G, n, L + 1, cig, planes_in}, dopts);
+    planes.narrow(3, 0, L).copy_(gathered.permute({3, 1, 0, 5, 2, 4}));
     const auto cols = planes.index_select(3, vg.columns.flatten())
-                          .view({n, G, cig, R, planes_in, F, k})
-                          .permute({3, 1, 0, 5, 2, 4, 6})
-                          .reshape({R * G, n * F, cig * planes_in * k});
-    auto y = at::bmm(cols, wd).view({R, G, n, F, planes_out, cog});
-    total.add_(y.sub_(means.narrow(2, b0, n)).square_().sum(at::IntArrayRef{0, 2, 3, 4}));
+                          .view({R * G, n * F, k * cig * planes_in});
+    const auto start = neg_means.narrow(1, b0, n).view({1, G, n, 1, 1, cog})
+                           .expand({R, G, n, F, planes_out, cog})
+                           .reshape({R * G, n * F, planes_out * cog});
+    const auto y = at::baddbmm(start, cols, wd).view({R, G, n * F * planes_out, cog});
+    total.add_(at::linalg_vector_norm(y, 2, at::IntArrayRef{0, 2}).square_());
   }
   return total.view({G * cog});
 }

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "phases.h"
@@ -315,6 +316,10 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
     const at::Tensor x_spec = x_spectrum(x, sub.out_size, backend.spectrum_kernels, sums.spectrum_channel_sums());
     blocks = correlation_spectrum(backend, x_spec, sub.out_size, tables, g.groups);
     weight_budget = chunk_budget(x_spec, 2, kMaxWeightBytes);
+    if (std::getenv("FUSED_OPS_EXP_WEIGHT_BUDGET") != nullptr) {  // EXPERIMENT: not for main as is
+      weight_budget = std::clamp<int64_t>(std::max<int64_t>(weight_budget, blocks.numel() * blocks.element_size()),
+                                          kMinChunkBytes, kMaxWeightBytes);
+    }
   }
   const at::Tensor energy =  // [S, Co, 1]
       phase_energies(backend, blocks, sub_kernels(weight, g, sub, tables.slots), tables, weight_budget)
