@@ -171,15 +171,11 @@ at::Tensor region_input(const at::Tensor& x, const std::vector<Region>& rs,
   return at::stack(sides, 1).view(shape);
 }
 
-// Which tap of the weight each entry of the region's weight takes, and whether it takes
-// one: [planes_in..., planes_out..., kept taps...] (the cut dims' input planes, their
-// output planes, then the other dims' taps in the region's order), as the flat tap index
-// (long) and a 0/1 mask.
-struct TapPick {
-  at::Tensor index, mask;
-};
-
-TapPick tap_pick(const ConvGeometry& g, const Region& r, const at::TensorOptions& opts) {
+// Which tap of the weight each entry of the region's weight takes: [planes_in...,
+// planes_out..., kept taps...] (the cut dims' input planes, their output planes, then the
+// other dims' taps in the region's order), as the flat tap index (long) into weight_taps,
+// whose last tap, g.taps(), is the zero that entries taking none read.
+at::Tensor tap_pick(const ConvGeometry& g, const Region& r, const at::TensorOptions& opts) {
   const auto lopts = opts.dtype(at::kLong);
   const int cut_dims = r.dims(), axes = 3 + cut_dims;
   at::Tensor index = at::zeros({}, lopts), valid = at::ones({}, lopts.dtype(at::kBool));
@@ -213,7 +209,12 @@ TapPick tap_pick(const ConvGeometry& g, const Region& r, const at::TensorOptions
     index = index + tap.view(shape) * tap_step;
   }
   // `index` has every axis's extent; `valid` only those of the cut dims.
-  return {index.contiguous(), valid.expand(index.sizes()).to(opts)};
+  return at::where(valid, index, at::full_like(index, g.taps())).contiguous();
+}
+
+// The weight [Ci, Cog, taps + 1], a zero tap appended (tap_pick's index where no tap lands).
+at::Tensor weight_taps(const at::Tensor& w, const ConvGeometry& g) {
+  return at::constant_pad_nd(w.reshape({g.in_channels, g.out_group_channels(), g.taps()}), {0, 1});
 }
 
 // [F, k] long, for a region problem with at most one position or tap > 1 per dim: the
@@ -275,7 +276,7 @@ std::vector<int64_t> problem_key(const ConvGeometry& full, const Region& r) {
 struct ValueGroup {
   std::vector<size_t> members;  // indices into the regions, all of one sign
   at::Tensor positions;         // [R, P_in * L] long: input_positions of each member
-  at::Tensor tap_index, tap_mask;  // [R, P_in, P_out, k]: each member's TapPick
+  at::Tensor tap_index;         // [R, P_in, P_out, k]: each member's tap_pick
   at::Tensor columns;           // [F, k]: im2col_columns of their (common) problem
 };
 
@@ -308,14 +309,13 @@ std::vector<ValueGroup> value_groups(const ConvGeometry& g, const ConvGeometry& 
     key.push_back(r.dims());
     return key;
   });
-  for (const std::vector<size_t>& m : members) groups.push_back({m, {}, {}, {}, {}});
+  for (const std::vector<size_t>& m : members) groups.push_back({m, {}, {}, {}});
   for (ValueGroup& vg : groups) {
-    std::vector<at::Tensor> positions, index, mask;
+    std::vector<at::Tensor> positions, index;
     for (const size_t k : vg.members) {
-      const TapPick pick = tap_pick(g, rs[k], opts);
+      const at::Tensor pick = tap_pick(g, rs[k], opts);
       positions.push_back(input_positions(g, rs[k], opts).flatten());
-      index.push_back(pick.index.flatten());
-      mask.push_back(pick.mask.flatten());
+      index.push_back(pick.flatten());
     }
     const ConvGeometry sub = region_geometry(full, rs[vg.members[0]]);
     const std::vector<int64_t> shape = {static_cast<int64_t>(vg.members.size()),
@@ -323,7 +323,6 @@ std::vector<ValueGroup> value_groups(const ConvGeometry& g, const ConvGeometry& 
                                         rs[vg.members[0]].planes_out(), sub.taps()};
     vg.positions = at::stack(positions);
     vg.tap_index = at::stack(index).view(shape);
-    vg.tap_mask = at::stack(mask).view(shape);
     vg.columns = im2col_columns(sub, opts);
   }
   return groups;
@@ -352,7 +351,7 @@ ConvGeometry plane_group_geometry(const ConvGeometry& full, const Region& r, int
 
 struct PlaneGroup {
   std::vector<size_t> members;  // indices into the regions, in region order
-  TapPick pick;                 // the members' TapPicks stacked: [members, planes..., taps...]
+  at::Tensor pick;              // the members' tap_picks stacked: [members, planes..., taps...]
 };
 
 struct RegionTables {
@@ -374,13 +373,9 @@ RegionTables region_tables(const Backend& backend, const ConvGeometry& g, const 
   return cache->get(std::move(key), w.device(), backend.table_stream(w.device()), [&] {
     RegionTables tables;
     for (std::vector<size_t>& members : plane_groups(full, rs)) {
-      std::vector<at::Tensor> index, mask;
-      for (const size_t k : members) {
-        const TapPick pick = tap_pick(g, rs[k], w.options());
-        index.push_back(pick.index);
-        mask.push_back(pick.mask);
-      }
-      tables.planes.push_back({std::move(members), {at::stack(index), at::stack(mask)}});
+      std::vector<at::Tensor> index;
+      for (const size_t k : members) index.push_back(tap_pick(g, rs[k], w.options()));
+      tables.planes.push_back({std::move(members), at::stack(index)});
     }
     tables.groups = value_groups(g, full, rs, w.options());
     return tables;
@@ -389,17 +384,15 @@ RegionTables region_tables(const Backend& backend, const ConvGeometry& g, const 
 
 // The weight of a plane group's problem [sides Ci planes_in, planes_out Cog, kernel of sub]:
 // each member's weight[ci, co, t] at the tap each (input plane, output plane) pair of its
-// cut dim takes, 0 where none; side-major, as region_input's channels.
-at::Tensor region_weight(const at::Tensor& w, const ConvGeometry& g, const TapPick& pick,
+// cut dim takes, 0 where none; side-major, as region_input's channels. w_taps: weight_taps.
+at::Tensor region_weight(const at::Tensor& w_taps, const ConvGeometry& g, const at::Tensor& pick,
                          const ConvGeometry& sub) {
-  const int64_t cog = g.out_group_channels();
-  auto picked = w.view({g.in_channels, cog, g.taps()}).index_select(2, pick.index.flatten());
-  std::vector<int64_t> shape = {g.in_channels, cog};
-  shape.insert(shape.end(), pick.index.sizes().begin(), pick.index.sizes().end());
-  picked = picked.view(shape).mul_(pick.mask);
+  std::vector<int64_t> shape = {g.in_channels, g.out_group_channels()};
+  shape.insert(shape.end(), pick.sizes().begin(), pick.sizes().end());
+  const auto picked = w_taps.index_select(2, pick.flatten()).view(shape);
   // [ci, co, sides, in planes, out planes, taps] -> [sides, ci, in planes, out planes, co, taps]
   std::vector<int64_t> order = {2, 0, 3, 4, 1};
-  for (int64_t a = 3; a < pick.index.dim(); ++a) order.push_back(2 + a);
+  for (int64_t a = 3; a < pick.dim(); ++a) order.push_back(2 + a);
   return picked.permute(order).reshape({sub.in_channels, sub.out_group_channels(), sub.kernel[0],
                                         sub.kernel[1], sub.kernel[2]});
 }
@@ -414,7 +407,7 @@ constexpr int64_t kColumnBytes = int64_t(64) << 20;
 // over slices of the batch. The columns' inner index is (tap, ci, input plane), so that the
 // gather writes them in the GEMM's layout (no transposing copy of the largest tensor), and the
 // GEMM starts from -m, so that y comes out centred and one norm reduces it.
-at::Tensor group_values_energy(const at::Tensor& x, const at::Tensor& w, const ConvGeometry& g,
+at::Tensor group_values_energy(const at::Tensor& x, const at::Tensor& w_taps, const ConvGeometry& g,
                                const ConvGeometry& sub, const ValueGroup& vg, int64_t planes_in,
                                int64_t planes_out, const at::Tensor& crop_means) {
   const int64_t R = static_cast<int64_t>(vg.members.size()), G = g.groups;
@@ -422,8 +415,8 @@ at::Tensor group_values_energy(const at::Tensor& x, const at::Tensor& w, const C
   const int64_t L = sub.in_spatial(), F = sub.out_spatial(), k = sub.taps();
   const auto dopts = x.options().dtype(at::kDouble);
   // [R G, k cig P_in, P_out cog]: each member's weight, its rows (tap, ci, plane).
-  auto picked = w.view({g.in_channels, cog, g.taps()}).index_select(2, vg.tap_index.flatten());
-  picked = picked.view({G, cig, cog, R, planes_in, planes_out, k}).mul_(vg.tap_mask);
+  const auto picked =
+      w_taps.index_select(2, vg.tap_index.flatten()).view({G, cig, cog, R, planes_in, planes_out, k});
   const auto wd = at::empty({R, G, k, cig, planes_in, planes_out, cog}, dopts)
                       .copy_(picked.permute({3, 0, 6, 1, 4, 5, 2}))
                       .view({R * G, k * cig * planes_in, planes_out * cog});
@@ -505,6 +498,7 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
   const auto crop_means = sample_conv_sums(sums, g)
                               .div_(static_cast<double>(g.out_spatial()))
                               .view({g.batch, g.groups, 1, g.out_group_channels()});
+  const at::Tensor w_taps = weight_taps(weight, g);
   // The full grid's term, then those of the planes and of the lines and corners (§3.6).
   // The profiler's ranges (scripts/profile_seed.py's `ranges`) name the three kinds of term.
   at::Tensor energy;
@@ -521,11 +515,10 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
     {
       RECORD_FUNCTION("fused_ops::border_plane_inputs", std::vector<c10::IValue>());
       xs = region_input(x, rs, pg.members, sub);
-      ws = region_weight(weight, g, pg.pick, sub);
+      ws = region_weight(w_taps, g, pg.pick, sub);
     }
     // The path `auto` takes for one region alone, so that grouping changes how many problems
-    // run, not their products: the paths apply by the spatial geometry, but auto's thresholds
-    // on work would move some (pad2's d and w planes from fft to cross_spectrum; not measured).
+    // run, not their products (and the layout choose_layouts gave it is that path's).
     const EnergyAlgo algo = backend.auto_energy_algo(region_geometry(full, r), dtype);
     energy.sub_(region_energy(backend, algo, xs, ws, sub, crop_means, sides, r.planes_out()));
   }
@@ -533,7 +526,7 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
     RECORD_FUNCTION("fused_ops::border_lines_corners", std::vector<c10::IValue>());
     const Region& r = rs[vg.members[0]];
     const ConvGeometry sub = region_geometry(full, r);
-    const auto term = group_values_energy(x, weight, g, sub, vg, r.planes_in(), r.planes_out(), crop_means);
+    const auto term = group_values_energy(x, w_taps, g, sub, vg, r.planes_in(), r.planes_out(), crop_means);
     energy.add_(term, r.dims() % 2 == 0 ? 1.0 : -1.0);
   }
   return energy.view({1, g.out_channels, 1});

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <vector>
 
 #include "phases.h"
@@ -22,8 +21,8 @@ namespace {
 
 // Bytes of the S stage's output (Q, x's spectrum's dtype) per chunk of depth frequencies,
 // and of the sub-kernels' spectra per chunk of output channels: as much as x's spectrum
-// (rows) and half of it (channels), within these bounds, so that the path's temporaries
-// shrink with the batch (below eager PyTorch's on the `b4` bench problem,
+// (rows) and half of it (channels; or R^'s size, weight_chunk_budget), within these bounds,
+// so that the path's temporaries shrink with the batch (below eager PyTorch's on the `b4` bench problem,
 // docs/performance.md). With half of x's spectrum for the rows too, b4 took 1.42 ms
 // against 1.24 (2026-11-30 16:26 and 16:38 UTC): smaller S-stage launches, likely too
 // few blocks to fill the GPU. The seed problem's 128 output channels take 53 MB of spectra:
@@ -47,6 +46,15 @@ bool keep_w_stage_output(int64_t chunks, int64_t bytes, const at::Tensor& x_spec
 }
 int64_t chunk_budget(const at::Tensor& x_spec, int64_t share, int64_t max_bytes) {
   return std::clamp<int64_t>(x_spec.numel() * x_spec.element_size() / share, kMinChunkBytes, max_bytes);
+}
+// The sub-kernels' spectra per chunk of output channels may also be as large as R^ (`blocks`),
+// which the call holds anyway: where x's spectrum is small against the channels (border's plane
+// problems: pad2's in 13 chunks, now 4) the chunks' launches and partial sums cost more than
+// the memory. docs/performance.md, 2026-12-01 18:15 UTC: pad2 2.606 -> 2.342 ms, b4 0.518 ->
+// 0.463 (2 chunks instead of 4), seed and s32 unchanged, no peak larger.
+int64_t weight_chunk_budget(const at::Tensor& x_spec, const at::Tensor& blocks) {
+  const int64_t spectrum = x_spec.numel() * x_spec.element_size(), r_hat = blocks.numel() * blocks.element_size();
+  return std::clamp<int64_t>(std::max(spectrum / 2, r_hat), kMinChunkBytes, kMaxWeightBytes);
 }
 
 // [n, M] complex128: exp(2 pi i f step m / size) for frequencies f < n and the M lags m
@@ -315,11 +323,7 @@ at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
   {  // x's spectrum is freed before the contraction
     const at::Tensor x_spec = x_spectrum(x, sub.out_size, backend.spectrum_kernels, sums.spectrum_channel_sums());
     blocks = correlation_spectrum(backend, x_spec, sub.out_size, tables, g.groups);
-    weight_budget = chunk_budget(x_spec, 2, kMaxWeightBytes);
-    if (std::getenv("FUSED_OPS_EXP_WEIGHT_BUDGET") != nullptr) {  // EXPERIMENT: not for main as is
-      weight_budget = std::clamp<int64_t>(std::max<int64_t>(weight_budget, blocks.numel() * blocks.element_size()),
-                                          kMinChunkBytes, kMaxWeightBytes);
-    }
+    weight_budget = weight_chunk_budget(x_spec, blocks);
   }
   const at::Tensor energy =  // [S, Co, 1]
       phase_energies(backend, blocks, sub_kernels(weight, g, sub, tables.slots), tables, weight_budget)

@@ -82,25 +82,31 @@ def test_crop_fraction():
     assert math.isclose(crop_fraction(t8pad1), 8 ** 3 / 10 ** 3)
 
 
-@pytest.mark.parametrize("problem, plane_problems", [
-    # each dim's two sides one problem
-    (Problem(2, 3, 4, (4, 5, 6), (3, 3, 3), conv_kwargs=dict(padding=1)), 3),
-    # D and H alike (after Region::order()): their four sides one problem
-    (Problem(2, 3, 4, (5, 5, 6), (3, 3, 3), conv_kwargs=dict(padding=1)), 2),
+@pytest.mark.parametrize("problem, plane_problems, value_gemms", [
+    # each dim's two sides one problem; the lines of each pair of cut dims one GEMM, the corners one
+    (Problem(2, 3, 4, (4, 5, 6), (3, 3, 3), conv_kwargs=dict(padding=1)), 3, 4),
+    # D and H alike (the cut dim first, Region::order()): their four sides one problem, and the
+    # lines along H and along D (cut in the other two dims) one GEMM
+    (Problem(2, 3, 4, (5, 5, 6), (3, 3, 3), conv_kwargs=dict(padding=1)), 2, 3),
+    # H and W alike, likewise
+    (Problem(2, 3, 4, (4, 5, 5), (3, 3, 3), conv_kwargs=dict(padding=1)), 2, 3),
     # unequal sides (output padding): every side its own problem
-    (Problem(2, 3, 4, (4, 5, 6), (3, 3, 3), conv_kwargs=dict(dilation=2, padding=2, output_padding=1)), 6),
-], ids=["sides", "dims-alike", "unequal-sides"])
-def test_plane_regions_share_problems_on_cpu(problem, plane_problems):
+    (Problem(2, 3, 4, (4, 5, 6), (3, 3, 3), conv_kwargs=dict(dilation=2, padding=2, output_padding=1)), 6, 13),
+], ids=["sides", "dims-alike", "dims-alike-hw", "unequal-sides"])
+def test_plane_regions_share_problems_on_cpu(problem, plane_problems, value_gemms):
     """Padding in all three dims: the full grid's problem and one per group of plane regions of
     one problem shape (docs/math.md §3.6). The CPU's auto takes ATen's convolution for each of
     these padding-0 problems (sliced_conv, one slice here), so each runs aten::_convolution
-    once; the lines and corners are GEMMs."""
+    once, its cut dim at the depth; the lines and corners are one GEMM (aten::baddbmm) per
+    group of one problem shape and sign."""
     _, fused = make_models(problem, torch.float32, "cpu", algo="border")
     x = make_input(problem, torch.float32, "cpu")
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fused.train()(x)
     inputs = [e.input_shapes[0] for e in prof.events() if e.name == "aten::_convolution"]
     assert len(inputs) == 1 + plane_problems, inputs
+    assert all(shape[2] == 1 for shape in inputs[1:]), inputs
+    assert sum(e.name == "aten::baddbmm" for e in prof.events()) == value_gemms
 
 
 @pytest.mark.parametrize("device", DEVICES)
