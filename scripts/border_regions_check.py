@@ -6,10 +6,10 @@ through the op as the padding-0 problems they are.
     python scripts/border_regions_check.py [--problem NAME] [--algos fft,cross_spectrum,sliced_conv]
         [--orientations]
 
---orientations also runs each plane problem with its one-position dim moved to the depth and to
-the width (the same work, another layout): the FFT path prefers a whole depth
-(border_energy.cpp's Region::order), while the cross-spectrum path, which reduces fh first
-(docs/math.md §3.5), runs one fh step per row where the height has one position.
+--orientations also runs each plane problem with its one-position dim moved to the height and
+to the width (the same work, another layout): border_energy.cpp puts it at the depth
+(Region::order), which the cross-spectrum path reduces last (docs/math.md §3.5, §3.6); a plane
+problem that `auto` sends to the FFT path takes a whole depth first instead.
 
 Timed as the bench times its rows (bench_ct_bn_pool.CudaClock: CUDA events, warm-up, the
 host's issue hidden behind a GPU sleep, median of 10 calls), inputs rotated over 4 tensors.
@@ -29,34 +29,29 @@ from bench_ct_bn_pool import CUDA_PROBLEMS, CudaClock, conv_options  # noqa: E40
 
 def plane_problems(name):
     """(label, x shape, weight shape, groups) of each plane problem, the layout
-    border_energy.cpp gives them (a cut depth swapped with the height; each side of a cut, of
-    each dim of one shape, a channel group)."""
+    border_energy.cpp gives them where they take the cross-spectrum path (the cut dim first;
+    each side of a cut, of each dim of one shape, a channel group)."""
     batch, ci, co, d, h, w, k = CUDA_PROBLEMS[name]
     p, s = conv_options(name)["padding"], conv_options(name)["stride"]
     n = -(-p // s)  # input planes reaching the p cut planes
     ci2, co2 = ci * n, co * p
-    sides = {}  # (x's sizes, the weight's taps) -> the dims of that shape
-    for label, sizes, taps in (("d", (h, 1, w), (k, 1, k)), ("h", (d, 1, w), (k, 1, k)),
-                               ("w", (d, h, 1), (k, k, 1))):
-        sides.setdefault((sizes, taps), []).append(label)
-    return [("".join(dims), (batch, 2 * len(dims) * ci2) + sizes, (2 * len(dims) * ci2, co2) + taps,
-             2 * len(dims)) for (sizes, taps), dims in sides.items()]
+    sides = {}  # x's sizes -> the dims of that shape
+    for label, sizes in (("d", (1, h, w)), ("h", (1, d, w)), ("w", (1, d, h))):
+        sides.setdefault(sizes, []).append(label)
+    return [("".join(dims), (batch, 2 * len(dims) * ci2) + sizes, (2 * len(dims) * ci2, co2, 1, k, k),
+             2 * len(dims)) for sizes, dims in sides.items()]
 
 
 def orientations(label, x_shape, w_shape, groups):
-    """The plane problem as border_energy.cpp lays it out (its one-position dim at the height),
-    then with that dim at the depth and at the width: x's and the weight's last three dims
+    """The plane problem as border_energy.cpp lays it out (its one-position dim at the depth),
+    then with that dim at the height and at the width: x's and the weight's last three dims
     permuted alike."""
     yield label, x_shape, w_shape, groups
-    x_sizes, taps = x_shape[2:], w_shape[2:]
-    one = x_sizes.index(1)
-    for name, to in (("1 at depth", 0), ("1 at width", 2)):
-        if to == one:
-            continue
-        order = list(range(3))
-        order[one], order[to] = to, one
-        yield (f"{label} ({name})", tuple(x_shape[:2]) + tuple(x_sizes[i] for i in order),
-               tuple(w_shape[:2]) + tuple(taps[i] for i in order), groups)
+    for name, to in (("1 at height", 1), ("1 at width", 2)):
+        order = [0, 1, 2]
+        order[0], order[to] = to, 0
+        yield (f"{label} ({name})", tuple(x_shape[:2]) + tuple(x_shape[2 + i] for i in order),
+               tuple(w_shape[:2]) + tuple(w_shape[2 + i] for i in order), groups)
 
 
 def main():

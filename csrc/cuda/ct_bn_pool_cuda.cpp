@@ -134,8 +134,9 @@ double direct_work(const ConvGeometry& g) {
 // between them now, not yet re-measured (padded problems take this threshold too).
 constexpr double kDirectMaxWork = 1e8;
 
-// With padding, the border's terms (docs/math.md §3.6) issue about 550 launches per call
-// (4.8 ms of host time on the H200's machine) and run padding-0 paths on composite channels:
+// With padding, the border's terms (docs/math.md §3.6) issue hundreds of ATen ops per call
+// (pad2: 839, 2.9 ms of host time on the H200's machine, 2026-12-01 18:23 UTC; 550 launches and
+// 4.8 ms at 06:38) and run padding-0 paths on composite channels:
 // they pay where cuDNN's strict float32 convolution takes longer than that, and where the crop
 // keeps most of the grid (the terms it subtracts are about 1 / fraction times its energy,
 // their rounding amplified as much). docs/performance.md, 2026-12-01 06:38 UTC: pad2 (2.7e11
