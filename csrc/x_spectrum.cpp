@@ -26,8 +26,9 @@ at::Tensor x_spectrum(const at::Tensor& x, const int64_t grid[3], const Spectrum
   auto spectrum = at::empty({grid[0], grid[1], lwf, batch, channels}, x.options().dtype(complex));
   if (kernels.dft && kernels.dft(x, grid, spectrum, channel_sums)) return spectrum;
   if (channel_sums.defined()) {
-    at::Tensor out = channel_sums;  // a handle: sum_out writes channel_sums' storage
-    at::sum_out(out, x, at::IntArrayRef{2, 3, 4}, true, at::kDouble);
+    // [B, Ci] view of channel_sums [B, Ci, 1]: sum_out writes its storage without resizing it
+    at::Tensor out = channel_sums.view({batch, channels});
+    at::sum_out(out, x, at::IntArrayRef{2, 3, 4}, false, at::kDouble);
   }
   const int64_t sample_bytes = grid[0] * grid[1] * lwf * channels * spectrum.element_size();
   const int64_t slice = std::min(batch, std::max<int64_t>(1, kFftSliceBytes / sample_bytes));
