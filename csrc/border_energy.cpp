@@ -135,7 +135,7 @@ void choose_layouts(const Backend& backend, const ConvGeometry& full, std::vecto
                     at::ScalarType dtype) {
   for (Region& r : rs) {
     if (r.dims() != 1) continue;
-    r.whole_depth = false;
+    r.whole_depth = false;  // auto judges the cut-first layout
     r.whole_depth = backend.auto_energy_algo(region_geometry(full, r), dtype) == EnergyAlgo::Fft;
   }
 }
@@ -518,7 +518,8 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
       ws = region_weight(w_taps, g, pg.pick, sub);
     }
     // The path `auto` takes for one region alone, so that grouping changes how many problems
-    // run, not their products (and the layout choose_layouts gave it is that path's).
+    // run, not their products. Taken again on the layout choose_layouts gave it: the FFT
+    // path's limits depend on the layout, so a whole-depth layout is judged as it is.
     const EnergyAlgo algo = backend.auto_energy_algo(region_geometry(full, r), dtype);
     energy.sub_(region_energy(backend, algo, xs, ws, sub, crop_means, sides, r.planes_out()));
   }

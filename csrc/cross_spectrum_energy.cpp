@@ -53,8 +53,8 @@ int64_t chunk_budget(const at::Tensor& x_spec, int64_t share, int64_t max_bytes)
 // the memory. docs/performance.md, 2026-12-01 18:15 UTC: pad2 2.606 -> 2.342 ms, b4 0.518 ->
 // 0.463 (2 chunks instead of 4), seed and s32 unchanged, no peak larger.
 int64_t weight_chunk_budget(const at::Tensor& x_spec, const at::Tensor& blocks) {
-  const int64_t spectrum = x_spec.numel() * x_spec.element_size(), r_hat = blocks.numel() * blocks.element_size();
-  return std::clamp<int64_t>(std::max(spectrum / 2, r_hat), kMinChunkBytes, kMaxWeightBytes);
+  const int64_t r_hat = blocks.numel() * blocks.element_size();
+  return std::max(chunk_budget(x_spec, 2, kMaxWeightBytes), std::min(r_hat, kMaxWeightBytes));
 }
 
 // [n, M] complex128: exp(2 pi i f step m / size) for frequencies f < n and the M lags m
