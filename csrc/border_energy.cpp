@@ -406,21 +406,19 @@ constexpr int64_t kColumnBytes = int64_t(64) << 20;
 // there): x's planes gathered, im2col over the whole dim's taps, one GEMM per (region, group),
 // over slices of the batch. The columns' inner index is (tap, ci, input plane), so that the
 // gather writes them in the GEMM's layout (no transposing copy of the largest tensor), and the
-// GEMM starts from -m, so that y comes out centred and one norm reduces it.
-at::Tensor group_values_energy(const at::Tensor& x, const at::Tensor& w_taps, const ConvGeometry& g,
-                               const ConvGeometry& sub, const ValueGroup& vg, int64_t planes_in,
-                               int64_t planes_out, const at::Tensor& crop_means) {
+// GEMM starts from -m, so that y comes out centred and one norm reduces it. The operands come
+// from the backend (Backend::line_weight, line_columns): on CUDA one kernel each.
+at::Tensor group_values_energy(const Backend& backend, const at::Tensor& x, const at::Tensor& w_taps,
+                               const ConvGeometry& g, const ConvGeometry& sub, const ValueGroup& vg,
+                               int64_t planes_in, int64_t planes_out, const at::Tensor& crop_means) {
   const int64_t R = static_cast<int64_t>(vg.members.size()), G = g.groups;
-  const int64_t cig = g.in_group_channels(), cog = g.out_group_channels();
+  const int64_t cog = g.out_group_channels();
   const int64_t L = sub.in_spatial(), F = sub.out_spatial(), k = sub.taps();
   const auto dopts = x.options().dtype(at::kDouble);
   // [R G, k cig P_in, P_out cog]: each member's weight, its rows (tap, ci, plane).
-  const auto picked =
-      w_taps.index_select(2, vg.tap_index.flatten()).view({G, cig, cog, R, planes_in, planes_out, k});
-  const auto wd = at::empty({R, G, k, cig, planes_in, planes_out, cog}, dopts)
-                      .copy_(picked.permute({3, 0, 6, 1, 4, 5, 2}))
-                      .view({R * G, k * cig * planes_in, planes_out * cog});
+  const auto wd = backend.line_weight(w_taps, vg.tap_index, G);
   const auto xs = x.reshape({g.batch, g.in_channels, g.in_spatial()});
+  const auto positions = vg.positions.view({R, planes_in, L});
   const auto neg_means = crop_means.view({g.batch, G, cog}).neg().permute({1, 0, 2});  // [G, B, Cog]
   const int64_t sample_bytes =
       R * F * std::max(g.in_channels * planes_in * k, g.out_channels * planes_out) * int64_t(sizeof(double));
@@ -428,14 +426,7 @@ at::Tensor group_values_energy(const at::Tensor& x, const at::Tensor& w_taps, co
   auto total = at::zeros({G, cog}, dopts);
   for (int64_t b0 = 0; b0 < g.batch; b0 += slice) {
     const int64_t n = std::min(slice, g.batch - b0);
-    // x's planes of every member, [R, G, n, L + 1, cig, P_in] float64, a zero position appended
-    // that the columns read where no input lands.
-    const auto gathered = xs.narrow(0, b0, n).index_select(2, vg.positions.flatten())
-                              .view({n, G, cig, R, planes_in, L});
-    auto planes = at::zeros({R, G, n, L + 1, cig, planes_in}, dopts);
-    planes.narrow(3, 0, L).copy_(gathered.permute({3, 1, 0, 5, 2, 4}));
-    const auto cols = planes.index_select(3, vg.columns.flatten())
-                          .view({R * G, n * F, k * cig * planes_in});
+    const auto cols = backend.line_columns(xs, positions, vg.columns, G, b0, n);
     const auto start = neg_means.narrow(1, b0, n).view({1, G, n, 1, 1, cog})
                            .expand({R, G, n, F, planes_out, cog})
                            .reshape({R * G, n * F, planes_out * cog});
@@ -453,17 +444,41 @@ at::Tensor group_values_energy(const at::Tensor& x, const at::Tensor& w_taps, co
 at::Tensor region_energy(const Backend& backend, EnergyAlgo algo, const at::Tensor& x, const at::Tensor& w,
                          const ConvGeometry& sub, const at::Tensor& crop_means, int64_t sides,
                          int64_t planes_out) {
-  const SampleSumTensors sums = backend.sample_sums(x, w);
+  const SampleSumTensors sums = training_sample_sums(backend, algo, x, w, sub);
+  const auto e = energy_of(backend, algo, x, w, sums, sub);  // first: it may write the sums
   const int64_t G = sub.groups / sides, cog = sub.out_group_channels() / planes_out;
   const double n = static_cast<double>(sub.out_spatial());
   const auto means = sample_conv_sums(sums, sub).view({sub.batch, sides, G, planes_out, cog}).div_(n);
   auto total = means.sub_(crop_means.unsqueeze(1)).square_().sum(at::IntArrayRef{0, 1, 3}).mul_(n);
-  const auto e = energy_of(backend, algo, x, w, sums, sub);
   total.add_(e.sum(at::IntArrayRef{0, 2}).view({sides, G, planes_out, cog}).sum(at::IntArrayRef{0, 2}));
   return total.view({G * cog});
 }
 
 }  // namespace
+
+at::Tensor line_weight_aten(const at::Tensor& w_taps, const at::Tensor& tap_index, int64_t groups) {
+  const int64_t R = tap_index.size(0), planes_in = tap_index.size(1), planes_out = tap_index.size(2),
+                k = tap_index.size(3);
+  const int64_t cig = w_taps.size(0) / groups, cog = w_taps.size(1);
+  const auto picked =
+      w_taps.index_select(2, tap_index.flatten()).view({groups, cig, cog, R, planes_in, planes_out, k});
+  return at::empty({R, groups, k, cig, planes_in, planes_out, cog}, w_taps.options().dtype(at::kDouble))
+      .copy_(picked.permute({3, 0, 6, 1, 4, 5, 2}))
+      .view({R * groups, k * cig * planes_in, planes_out * cog});
+}
+
+at::Tensor line_columns_aten(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& columns,
+                             int64_t groups, int64_t b0, int64_t n) {
+  const int64_t R = positions.size(0), planes_in = positions.size(1), L = positions.size(2);
+  const int64_t cig = x.size(1) / groups, F = columns.size(0), k = columns.size(1);
+  // x's planes of every member, [R, G, n, L + 1, cig, P_in] float64, a zero position appended
+  // that the columns read where no input lands.
+  const auto gathered =
+      x.narrow(0, b0, n).index_select(2, positions.flatten()).view({n, groups, cig, R, planes_in, L});
+  auto planes = at::zeros({R, groups, n, L + 1, cig, planes_in}, x.options().dtype(at::kDouble));
+  planes.narrow(3, 0, L).copy_(gathered.permute({3, 1, 0, 5, 2, 4}));
+  return planes.index_select(3, columns.flatten()).view({R * groups, n * F, k * cig * planes_in});
+}
 
 int64_t border_weight_bytes(const ConvGeometry& g) {
   const ConvGeometry full = full_geometry(g);
@@ -527,7 +542,7 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
     RECORD_FUNCTION("fused_ops::border_lines_corners", std::vector<c10::IValue>());
     const Region& r = rs[vg.members[0]];
     const ConvGeometry sub = region_geometry(full, r);
-    const auto term = group_values_energy(x, w_taps, g, sub, vg, r.planes_in(), r.planes_out(), crop_means);
+    const auto term = group_values_energy(backend, x, w_taps, g, sub, vg, r.planes_in(), r.planes_out(), crop_means);
     energy.add_(term, r.dims() % 2 == 0 ? 1.0 : -1.0);
   }
   return energy.view({1, g.out_channels, 1});

@@ -120,6 +120,10 @@ at::Tensor tap_dft(const Lags& lags, int d, const at::TensorOptions& opts) {
 // What the path needs of the geometry alone, on the device (table_cache.h).
 struct Tables {
   at::Tensor coef_s, coef_w, coef_d;  // the S, W and D stages' coefficients (correlation_spectrum)
+  // With one depth frequency and one depth bin (a grid Ld = Md = 1: border's plane problems,
+  // docs/math.md §3.6), the D stage is the scaling by coef_d's one entry, 1 / |L|: coef_w times
+  // it, so that the W stage writes Z^ itself. Undefined otherwise.
+  at::Tensor coef_wd;
   at::Tensor coef_s_float;            // coef_s as complex64, for float32 spectra: a copy kernel per call less
   at::Tensor blocks;                  // correlation_blocks' phases, [Mh, ρh + 1]
   at::Tensor mirror;                  // phase_energies' mirror counts over |M|, [ρw + 1]
@@ -136,6 +140,7 @@ Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::Te
   t.coef_s_float = t.coef_s.to(at::kComplexFloat);
   t.coef_w = w_stage_coefficients(grid[2], lags, opts);
   t.coef_d = lag_spectrum_phases(grid[0], grid[0], lags.step[0], lags.reach[0], opts).div_(size);  // R's 1 / |L|
+  if (t.coef_d.numel() == 1) t.coef_wd = t.coef_w.mul(t.coef_d.view({}));
   t.blocks = block_phases(lags.reach[1], opts);
   t.mirror = mirror_count(2 * lags.reach[2] + 1, opts).div_(static_cast<double>(lags.count()));  // §3.5's 1 / |M|
   for (int d = 0; d < 3; ++d) t.dft[d] = tap_dft(lags, d, opts);
@@ -183,6 +188,15 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
   const bool deferred =
       keep_w_stage_output(chunks, grid[0] * mw * columns * x_spec.element_size(), x_spec);
   const at::Tensor coef_s_x = x_spec.scalar_type() == at::kComplexFloat ? tables.coef_s_float : coef_s;
+  const auto blocks = [&](const at::Tensor& r) {
+    return backend.correlation_blocks(r.view({md, mw, lags_h, groups, cig, cig}), tables.blocks);
+  };
+  if (tables.coef_wd.defined()) {  // one depth frequency and bin: the W stage writes Z^ (Tables::coef_wd)
+    at::Tensor r = at::empty({1, mw, columns}, lag_options);
+    backend.lag_stage(backend.cross_spectrum_rows(x_spec, 0, 1, coef_s_x, groups).view({1, lwf, columns}),
+                      tables.coef_wd, r, false);
+    return blocks(r);
+  }
   const at::Tensor p_all = deferred ? at::empty({grid[0], mw, columns}, w_options) : at::Tensor();
   at::Tensor r = deferred ? at::empty({1, md, mw * columns}, lag_options)
                           : at::zeros({1, md, mw * columns}, lag_options);
@@ -194,7 +208,7 @@ at::Tensor correlation_spectrum(const Backend& backend, const at::Tensor& x_spec
     if (!deferred) backend.lag_stage(p.view({1, n, mw * columns}), coef_d.narrow(0, fd0, n), r, true);
   }
   if (deferred) backend.lag_stage(p_all.view({1, grid[0], mw * columns}), coef_d, r, false);
-  return backend.correlation_blocks(r.view({md, mw, lags_h, groups, cig, cig}), tables.blocks);
+  return blocks(r);
 }
 
 // [S, G, Cog] double, S rows to be added (the finalize adds them, bn_finalize.h): sum over

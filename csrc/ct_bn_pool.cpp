@@ -69,8 +69,27 @@ namespace {
 // weight's sums, the planes' sum over D) against spatial_sum's one: docs/performance.md,
 // 2026-12-01 08:25 UTC, seed (67 MB) 20.1 us of spatial_sum against 6.6 of launches and 4 more
 // of plane_dft; t8c64 (1 MB) 0.069 ms with them against 0.065 without. A linear model of those
-// two crosses near 18 MB; not measured between them.
+// two crosses near 18 MB; not measured between them. With a depth of one position there is
+// no sum over D (the planes' sums are the channels'): one small launch against one.
 constexpr int64_t kMinSpectrumSumsBytes = int64_t(32) << 20;
+
+}  // namespace
+
+SampleSumTensors training_sample_sums(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
+                                      const at::Tensor& weight, const ConvGeometry& g) {
+  // The spectral paths read all of x for its spectrum: x's sums come out of that pass
+  // (x_spectrum's channel sums) instead of one of their own (20 us of the seed call).
+  const bool from_spectrum = (algo == EnergyAlgo::Fft || algo == EnergyAlgo::CrossSpectrum) &&
+                             (g.in_size[0] == 1 || x.numel() * x.element_size() >= kMinSpectrumSumsBytes);
+  if (!from_spectrum) return backend.sample_sums(x, weight);
+  SampleSumTensors sums;
+  sums.x_red = at::empty({g.batch, g.in_channels, 1}, x.options().dtype(at::kDouble));
+  sums.w_red = backend.weight_sums(weight);
+  sums.x_red_from_spectrum = true;
+  return sums;
+}
+
+namespace {
 
 SampleSumTensors sample_sums(const Backend& backend, const at::Tensor& x, const at::Tensor& w,
                              const ConvGeometry& g) {
@@ -98,18 +117,8 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
     if (!in.sums.w_red.defined()) in.weight = weight_c;  // the finalize sums it
     return;
   }
-  // The spectral paths read all of x for its spectrum: x's sums come out of that pass
-  // (x_spectrum's channel sums) instead of one of their own (20 us of the seed call).
-  const bool sums_from_spectrum = training && !g.has_padding() &&
-                                  (energy_algo == EnergyAlgo::Fft || energy_algo == EnergyAlgo::CrossSpectrum) &&
-                                  x_in.numel() * x_in.element_size() >= kMinSpectrumSumsBytes;
-  if (sums_from_spectrum) {
-    in.sums.x_red = at::empty({g.batch, g.in_channels, 1}, x_in.options().dtype(at::kDouble));
-    in.sums.w_red = backend.weight_sums(weight_c);
-    in.sums.x_red_from_spectrum = true;
-  } else {
-    in.sums = sample_sums(backend, x_in, weight_c, g);
-  }
+  in.sums = training && !g.has_padding() ? training_sample_sums(backend, energy_algo, x_in, weight_c, g)
+                                          : sample_sums(backend, x_in, weight_c, g);
   // The box sums' contraction has Cig * taps terms per (sample, channel): as one batched
   // GEMM here, not in the finalize's loops (pad2: 202 us of its CUDA kernel, 06:17 UTC).
   if (g.has_padding()) in.sample_sums = sample_conv_sums(in.sums, g);

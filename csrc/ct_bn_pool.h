@@ -115,6 +115,17 @@ struct Backend {
   // (b_d, b_h, b_w) with b_w fastest.
   at::Tensor (*tap_spectrum)(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
                              const at::Tensor& dft_w, int64_t rows);
+  // The float64 GEMM operands of border's lines and corners (border_energy.cpp's
+  // group_values_energy, docs/math.md §3.6) for R regions of one problem shape, in the GEMM's
+  // layout. line_weight: [R G, k Cig P_in, P_out Cog], entry ((r, g), (t, ci, i), (o, co)) =
+  // w_taps[g Cig + ci, co, tap_index[r, i, o, t]], from w_taps [Ci, Cog, taps + 1] (weight_taps)
+  // and tap_index [R, P_in, P_out, k] long. line_columns: [R G, n F, k Cig P_in], entry
+  // ((r, g), (b, f), (t, ci, i)) = x[b0 + b, g Cig + ci, positions[r, i, l]] with l =
+  // columns[f, t], 0 where l = L; x [B, Ci, D H W], positions [R, P_in, L] and columns [F, k]
+  // long, contiguous.
+  at::Tensor (*line_weight)(const at::Tensor& w_taps, const at::Tensor& tap_index, int64_t groups);
+  at::Tensor (*line_columns)(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& columns,
+                             int64_t groups, int64_t b0, int64_t n);
   // x's spectrum's kernels: a DFT without the FFT, or the copies around it (x_spectrum.h).
   SpectrumKernels spectrum_kernels;
 };
@@ -157,6 +168,12 @@ double crop_fraction(const ConvGeometry& g);
 // the dispatch `algo` names, shared by the call and energy_border's terms.
 at::Tensor energy_of(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
                      const at::Tensor& weight, const SampleSumTensors& sums, const ConvGeometry& g);
+// The sums of a padding-0 problem in training, its energy by `algo` (weight contiguous):
+// written by the energy's pass over x for its spectrum where `algo` makes one and that pays
+// (x_red_from_spectrum: read them only after energy_of), else Backend::sample_sums'.
+// Shared by the call and energy_border's terms.
+SampleSumTensors training_sample_sums(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
+                                      const at::Tensor& weight, const ConvGeometry& g);
 // Backend::weight_sums with ATen's sum (the CPU's).
 at::Tensor weight_sums_aten(const at::Tensor& weight);
 // Backend::cross_spectrum_rows and Backend::lag_stage with ATen's batched GEMMs (the CPU's).
@@ -173,6 +190,10 @@ at::Tensor interleaved_real_form(const at::Tensor& blocks);
 // Backend::tap_spectrum with ATen's GEMMs, one dim at a time (the CPU's).
 at::Tensor tap_spectrum_aten(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
                              const at::Tensor& dft_w, int64_t rows);
+// Backend::line_weight and Backend::line_columns with ATen's gathers and copies (the CPU's).
+at::Tensor line_weight_aten(const at::Tensor& w_taps, const at::Tensor& tap_index, int64_t groups);
+at::Tensor line_columns_aten(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& columns,
+                             int64_t groups, int64_t b0, int64_t n);
 // The weight as the direct kernel reads it (see conv_transpose_row.h).
 at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g);
 

@@ -153,6 +153,31 @@ def test_auto_on_cuda_takes_border_on_large_padded_problems():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_plane_problems_take_the_cross_spectrum_on_cuda():
+    """Padding in D alone: the full grid and one plane problem (both sides of D's cut, the cut
+    dim at the depth). That problem's 1.7e8 multiply-adds are past the direct kernel's share, so
+    CUDA auto takes the cross-spectrum for it (a depth of one position: csrc/cuda/ct_bn_pool_cuda.cpp),
+    whose W stage writes Z^ itself (one lag stage storing float64 sums, Tables::coef_wd), beside
+    the full grid's W and D stages if it takes that path too. x offset by 50, so that the planes'
+    means are far from the crop's. Against float64: output and running statistics."""
+    p = Problem(8, 32, 64, (4, 32, 32), (3, 3, 3), conv_kwargs=dict(padding=(1, 0, 0)))
+    ref, fused = make_models(p, torch.float32, "cuda", algo="border")
+    ref.train()
+    fused.train()
+    x = make_input(p, torch.float32, "cuda") + 50
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fused(x)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    w_stages = sum("lag_stage_kernel<float2, float2" in n for n in names)
+    assert sum("lag_stage_kernel<float2, double2" in n for n in names) == w_stages + 1
+    with torch.no_grad():
+        assert relerr(out, ref(x.double().cpu())) <= 1e-6
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_auto_on_cuda_leaves_border_where_its_weights_are_large():
     """A 7-tap kernel with padding 3 on 256 channels: 3.7e11 multiply-adds, the crop keeps 0.52
     of the grid, but a line's weight would hold 256 * 256 * 81 * 7 float64 values (297 MB):

@@ -404,14 +404,34 @@ def test_no_host_sync_on_cuda(algo):
     (Problem(2, 16, 4, (17, 128, 128), (1, 2, 2), scale=-1.5), True),  # 35.7 MB of x
     (Problem(2, 16, 4, (17, 128, 128), (2, 2, 2), conv_kwargs=dict(stride=2, groups=2)), True),
     (Problem(3, 10, 6, (5, 9, 12), (3, 2, 3)), False),  # 130 KB
+    (Problem(3, 10, 6, (1, 9, 12), (1, 2, 3)), True),  # one depth position: no sum over D to add
 ], ids=lambda v: Problem.ids(v) if isinstance(v, Problem) else str(v))
 def test_training_takes_large_x_sums_from_the_spectrum_pass(problem, from_spectrum, algo):
     """From 32 MiB of x the spectral paths take x's sums (the means, docs/math.md §2) from
     their pass over x for its spectrum (x_spectrum's channel sums, csrc/cuda/x_spectrum_dft.cu:
     the planes' sums, added over D by the D DFT's launch), not from a pass of their own
     (spatial_sum_kernel); below it, and on the correlation
-    path, which forms no spectrum, that pass stays (csrc/ct_bn_pool.cpp: kMinSpectrumSumsBytes).
-    Checked against float64: output and running statistics."""
+    path, which forms no spectrum, that pass stays (csrc/ct_bn_pool.cpp: kMinSpectrumSumsBytes);
+    with one depth position at any size (training_sample_sums). Checked against float64: output
+    and running statistics."""
     names = cuda_train_step_kernels(problem, algo)
     spectral = algo != "correlation"
     assert any("spatial_sum" in name for name in names) == (not (spectral and from_spectrum))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("algo", ["cross_spectrum", "fft"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_one_depth_position_skips_the_depth_stages(algo, dtype):
+    """With one depth position and frequency (border's plane problems, docs/math.md §3.6):
+    plane_dft writes x's spectrum itself (csrc/cuda/x_spectrum_dft.cu: no depth_dft), and on the
+    cross-spectrum path the W stage's coefficients carry the D stage's 1 / |L|, so that one lag
+    stage writes Z^ in float64 (csrc/cross_spectrum_energy.cpp: Tables::coef_wd). Checked
+    against float64: output and running statistics."""
+    names = cuda_train_step_kernels(Problem(3, 20, 12, (1, 9, 12), (1, 3, 3)), algo, dtype)
+    assert any("plane_dft" in n for n in names)
+    assert not any("depth_dft" in n for n in names)
+    if algo == "cross_spectrum":
+        complex_t = "float2" if dtype == torch.float32 else "double2"
+        assert sum("lag_stage_kernel" in n for n in names) == 1
+        assert sum(f"lag_stage_kernel<{complex_t}, double2" in n for n in names) == 1

@@ -37,6 +37,10 @@ FFT_PROBLEMS = [
     # in one pass, 10 in two passes of 8).
     Problem(2, 8, 4, (20, 32, 26), (1, 3, 3)),
     Problem(2, 8, 4, (38, 32, 32), (3, 5, 5)),
+    # one depth position and frequency (border's plane problems): plane_dft writes the spectrum
+    # itself (no depth_dft), 20 channels in blocks of 8 (the last of 4), groups.
+    Problem(3, 20, 12, (1, 9, 12), (1, 3, 3)),
+    Problem(2, 12, 6, (1, 32, 26), (1, 2, 3), conv_kwargs=dict(groups=2)),
 ] + [p for p in random_problems(8, seed=5) if p.batch > 1 or p.size != (1, 1, 1)]
 
 # Strides and output padding: the polyphase split (docs/math.md §3.3.1).

@@ -175,7 +175,8 @@ const Backend kCpuBackend = {sample_sums_cpu,      weight_sums_aten,  energy_dir
                              nullptr,              cross_spectrum_rows_aten,
                              lag_stage_aten,       table_stream_cpu,
                              correlation_blocks_aten, quad_forms_aten,
-                             tap_spectrum_aten,
+                             tap_spectrum_aten,    line_weight_aten,
+                             line_columns_aten,
                              kAtenSpectrumKernels};
 
 }  // namespace

@@ -174,7 +174,8 @@ const Backend kCudaBackend = {sample_sums_any_layout_cuda, weight_sums_cuda, ene
                               eval_sample_sums_cuda,       cross_spectrum_rows_cuda,
                               lag_stage_cuda,              table_stream_cuda,
                               correlation_blocks_cuda,     quad_forms_cuda,
-                              tap_spectrum_cuda,
+                              tap_spectrum_cuda,           line_weight_cuda,
+                              line_columns_cuda,
                               kCudaSpectrumKernels};
 
 }  // namespace

@@ -80,6 +80,12 @@ at::Tensor quad_forms_mma_cuda(const at::Tensor& blocks, const at::Tensor& w_hat
 // staging of them fits its shared memory; others as a float64 copy in [k'd, k'h, k'w, cols].
 at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, const at::Tensor& dft_h,
                              const at::Tensor& dft_w, int64_t rows);
+// Backend::line_weight and Backend::line_columns: line_operands.cu, one pass each writing the
+// GEMM's layout; line_columns_aten where a block's staged planes of one channel exceed 48 KiB
+// (a whole dim of several thousand positions).
+at::Tensor line_weight_cuda(const at::Tensor& w_taps, const at::Tensor& tap_index, int64_t groups);
+at::Tensor line_columns_cuda(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& columns,
+                             int64_t groups, int64_t b0, int64_t n);
 // SpectrumKernels (x_spectrum.h): x_spectrum_dft.cu, and x_spectrum_copies.cu around cuFFT
 // where it does not apply (ATen's copies for other layouts).
 bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum,

@@ -9,6 +9,10 @@
 //               adjacent: spec_offset), written as t [n, D, Lh, Lwf, Ci];
 //   depth_dft:  one thread per (b, fh, fw, ci): the DFT over D, written into the
 //               spectrum's [Ld, Lh, Lwf, B, Ci].
+// With one depth position and frequency (D = Ld = 1: border's plane problems, docs/math.md
+// §3.6) the DFT over D is the identity: plane_dft writes the spectrum itself
+// (with_spectrum_steps) and depth_dft does not run (it was a transposing copy of t, 96.5 us
+// of each pad2 call, docs/performance.md 2026-12-01 18:23 UTC).
 // t is a slice of the batch small enough to stay in L2 between the two. Where an axis's
 // grid is even, its DFT is split once by its inputs' index modulo 2 (H and D: 4 where the
 // grid allows): 1/2 (1/4) of the multiply-adds, then an R-point butterfly per R outputs.
@@ -275,15 +279,16 @@ int64_t w_stage_items(const Plan& p, int64_t planes) {
 
 struct PlaneArgs {
   const void* x;     // the slice's x, [n, Ci, D, H, W]
-  void* t;           // [n, D, Lh, Lwf, Ci]
+  void* t;           // [n, D, Lh, Lwf, Ci], or the spectrum at the slice's first sample (with_spectrum_steps)
   const void* table; // Plan::tables
   int64_t ci, planes_per_block;
   int d, h, w, lh, lwf, h_rows_pad, h_rows, h_cols, slice_stride;
   int w_radix, w_cols, w_bins, w_bins_pad;
-  // t's steps, in entries, from frequency fh to fh + 1, fh to fh + Lh / R (the H stage's
-  // radix R) and bin fw to fw + ceil(Lwf / 2): kernel parameters, so that the H stage's
-  // stores take them from constant memory rather than registers.
-  int64_t t_freq, t_split, t_bin;
+  // t's steps, in entries, from one (b, d) to the next, from frequency fh to fh + 1, fh to
+  // fh + Lh / R (the H stage's radix R), bin fw to fw + 1 and to fw + ceil(Lwf / 2): kernel
+  // parameters, so that the H stage's stores take them from constant memory rather than
+  // registers.
+  int64_t t_sample, t_freq, t_split, t_fw, t_bin;
   bool vector_loads;  // rows of x are whole 16-byte pieces, 16-byte aligned
   bool rows_in_spec;  // x's rows in the plane spectrum's memory (PlaneSmem)
   double* plane_sums;  // the slice's [n, Ci, D] of x_spectrum's plane sums, or null
@@ -520,7 +525,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 3 : 1) plane_dft_ke
       f_col += a.h_rows;
     }
     // t[b, d, j0, fw_a, ci0 + plane]
-    C* const out = static_cast<C*>(a.t) + (bd * (a.lh * a.t_freq) + ci0 + j0 * a.t_freq + fw_a * a.ci + plane);
+    C* const out = static_cast<C*>(a.t) + (bd * a.t_sample + ci0 + j0 * a.t_freq + fw_a * a.t_fw + plane);
 #pragma unroll
     for (int i = 0; i < kFreqTile; ++i) {
       const int j = j0 + i;
@@ -696,11 +701,23 @@ PlaneArgs plane_args(const Plan& p, const at::Tensor& tables, const at::Tensor& 
   a.h_rows_pad = static_cast<int>(p.h_rows_pad);
   a.h_rows = static_cast<int>(p.axis_h.rows()), a.h_cols = static_cast<int>(p.axis_h.columns());
   a.slice_stride = static_cast<int>(plane_slice_stride(p.h_rows_pad, p.lwf));
-  a.t_freq = p.lwf * ci;
+  a.t_fw = ci;
+  a.t_freq = p.lwf * a.t_fw;
+  a.t_sample = p.lh * a.t_freq;
   a.t_split = p.axis_h.rows() * a.t_freq;
-  a.t_bin = (p.lwf + 1) / 2 * ci;
+  a.t_bin = (p.lwf + 1) / 2 * a.t_fw;
   a.rows_in_spec = plane_smem(p, planes).rows_in_spec;
   return a;
+}
+
+// a's stores into the spectrum [1, Lh, Lwf, B, Ci] instead of t (D = Ld = 1): (b, fh, fw, ci)
+// at ((fh Lwf + fw) B + b) Ci + ci from the spectrum's start.
+void with_spectrum_steps(PlaneArgs& a, const Plan& p, int64_t batch) {
+  a.t_sample = a.ci;
+  a.t_fw = batch * a.ci;
+  a.t_freq = p.lwf * a.t_fw;
+  a.t_split = p.axis_h.rows() * a.t_freq;
+  a.t_bin = (p.lwf + 1) / 2 * a.t_fw;
 }
 
 DepthArgs depth_args(const Plan& p, const at::Tensor& tables, const at::Tensor& t, const at::Tensor& spectrum) {
@@ -728,7 +745,8 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
   const int64_t csize = is_double ? 16 : 8;
   const Plan p = make_plan(x, grid);
   const int64_t batch = x.size(0), ci = x.size(1), columns = p.lh * p.lwf * ci;
-  const int64_t slice = std::clamp<int64_t>(kSliceBytes / (p.d * columns * csize), 1, batch);
+  const bool planes_only = p.d == 1 && p.ld == 1;  // plane_dft writes the spectrum (with_spectrum_steps)
+  const int64_t slice = planes_only ? batch : std::clamp<int64_t>(kSliceBytes / (p.d * columns * csize), 1, batch);
   // Blocks of up to kMaxPlanes channels, fewer where their shared memory does not fit or
   // where there would be fewer than two blocks per SM (small problems: latency-bound);
   // a plane that does not fit at all leaves x to cuFFT.
@@ -750,17 +768,19 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
   TORCH_CHECK(slice * p.d * groups < (int64_t(1) << 31) && (slice * columns + kThreads - 1) / kThreads < (int64_t(1) << 31),
               "ct_bn_pool: x too large for its spectrum's DFT launches (", to_str(x.sizes()), ")");
   const at::Tensor tables = tables_for(p, x, spectrum.scalar_type());
-  const at::Tensor t = at::empty({slice * p.d * columns}, spectrum.options());
+  const at::Tensor t = at::empty({planes_only ? 0 : slice * p.d * columns}, spectrum.options());
   PlaneArgs pa = plane_args(p, tables, t, ci, planes);
   DepthArgs da = depth_args(p, tables, t, spectrum);
-  const at::Tensor plane_sums =  // each (b, ci, d) plane's sum, for channel_sums
-      channel_sums.defined() ? at::empty({x.size(0), ci, p.d}, channel_sums.options()) : at::Tensor();
+  if (planes_only) with_spectrum_steps(pa, p, batch);
+  const at::Tensor plane_sums =  // each (b, ci, d) plane's sum, for channel_sums: themselves where D = 1
+      !channel_sums.defined() || planes_only ? channel_sums : at::empty({x.size(0), ci, p.d}, channel_sums.options());
   const auto stream = at::cuda::getCurrentCUDAStream();
   for (int64_t b0 = 0; b0 < batch; b0 += slice) {
     const int64_t n = std::min(slice, batch - b0);
     // Another layout of x is copied a slice at a time, so the copy stays as small as t.
     const at::Tensor xs = x.narrow(0, b0, n).contiguous();
     pa.x = xs.data_ptr();
+    if (planes_only) pa.t = static_cast<char*>(spectrum.data_ptr()) + b0 * ci * csize;
     pa.vector_loads = p.w % (16 / x.element_size()) == 0 && reinterpret_cast<std::uintptr_t>(pa.x) % 16 == 0;
     pa.plane_sums = plane_sums.defined() ? plane_sums.data_ptr<double>() + b0 * ci * p.d : nullptr;
     da.plane_sums = pa.plane_sums;
@@ -770,10 +790,10 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
     const int64_t depth_blocks = (da.threads + kThreads - 1) / kThreads;
     if (is_double) {
       launch_plane<double>(p, pa, n * p.d * groups, plane_bytes, stream);
-      launch_depth<double>(p, da, depth_blocks, depth_bytes, stream);
+      if (!planes_only) launch_depth<double>(p, da, depth_blocks, depth_bytes, stream);
     } else {
       launch_plane<float>(p, pa, n * p.d * groups, plane_bytes, stream);
-      launch_depth<float>(p, da, depth_blocks, depth_bytes, stream);
+      if (!planes_only) launch_depth<float>(p, da, depth_blocks, depth_bytes, stream);
     }
   }
   return true;
