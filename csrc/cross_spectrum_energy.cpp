@@ -121,8 +121,8 @@ at::Tensor tap_dft(const Lags& lags, int d, const at::TensorOptions& opts) {
 struct Tables {
   at::Tensor coef_s, coef_w, coef_d;  // the S, W and D stages' coefficients (correlation_spectrum)
   // With one depth frequency and one depth bin (a grid Ld = Md = 1: border's plane problems,
-  // docs/math.md §3.6), the D stage is the scaling by coef_d's one entry, 1 / |L|: coef_w times
-  // it, so that the W stage writes Z^ itself. Undefined otherwise.
+  // docs/math.md §3.6), the D stage is the scaling by coef_d's one entry, 1 / |L|: coef_w
+  // divided by |L|, so that the W stage writes Z^ itself. Undefined otherwise.
   at::Tensor coef_wd;
   at::Tensor coef_s_float;            // coef_s as complex64, for float32 spectra: a copy kernel per call less
   at::Tensor blocks;                  // correlation_blocks' phases, [Mh, ρh + 1]
@@ -140,7 +140,7 @@ Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::Te
   t.coef_s_float = t.coef_s.to(at::kComplexFloat);
   t.coef_w = w_stage_coefficients(grid[2], lags, opts);
   t.coef_d = lag_spectrum_phases(grid[0], grid[0], lags.step[0], lags.reach[0], opts).div_(size);  // R's 1 / |L|
-  if (t.coef_d.numel() == 1) t.coef_wd = t.coef_w.mul(t.coef_d.view({}));
+  if (grid[0] == 1 && lags.reach[0] == 0) t.coef_wd = t.coef_w.div(size);  // coef_d: [[1 / |L|]]
   t.blocks = block_phases(lags.reach[1], opts);
   t.mirror = mirror_count(2 * lags.reach[2] + 1, opts).div_(static_cast<double>(lags.count()));  // §3.5's 1 / |M|
   for (int d = 0; d < 3; ++d) t.dft[d] = tap_dft(lags, d, opts);

@@ -420,8 +420,8 @@ def test_training_takes_large_x_sums_from_the_spectrum_pass(problem, from_spectr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("algo", ["cross_spectrum", "fft"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("algo, dtype", [("cross_spectrum", torch.float32), ("cross_spectrum", torch.float64),
+                                         ("fft", torch.float32)], ids=str)
 def test_one_depth_position_skips_the_depth_stages(algo, dtype):
     """With one depth position and frequency (border's plane problems, docs/math.md §3.6):
     plane_dft writes x's spectrum itself (csrc/cuda/x_spectrum_dft.cu: no depth_dft), and on the
