@@ -38,6 +38,9 @@ PROBLEMS = [
     # the bench's padded problems, smaller: "same" padding of a 5-tap and a 3-tap kernel
     Problem(4, 16, 24, (6, 8, 8), (5, 5, 5), conv_kwargs=dict(padding=2)),
     Problem(5, 32, 32, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1)),
+    # lines along W longer than csrc/cuda/line_operands.cu stages in shared memory in float64
+    # (6201 values a channel, 49.6 KB): ATen's gathers there; float32's 24.8 KB take the kernel
+    Problem(2, 2, 3, (3, 3, 6200), (3, 3, 3), conv_kwargs=dict(padding=1)),
 ]
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-6}
 

@@ -435,3 +435,15 @@ def test_one_depth_position_skips_the_depth_stages(algo, dtype):
         complex_t = "float2" if dtype == torch.float32 else "double2"
         assert sum("lag_stage_kernel" in n for n in names) == 1
         assert sum(f"lag_stage_kernel<{complex_t}, double2" in n for n in names) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_one_depth_position_in_slices_of_a_channels_last_x():
+    """csrc/cuda/x_spectrum_dft.cu copies an x of another layout a slice of the batch at a time
+    (48 MiB of spectrum: 23 of these samples); with one depth position plane_dft writes each
+    slice's samples, and their sums, at their own place in the spectrum: 30 samples, slices of 23
+    and 7. Against float64: output and running statistics."""
+    p = Problem(30, 8, 4, (1, 256, 256), (1, 3, 3), scale=-1.5)
+    ref, fused = make_models(p, torch.float32, "cuda", algo="cross_spectrum")
+    x = make_input(p, torch.float32, "cuda").to(memory_format=torch.channels_last_3d)
+    assert_train_steps_match(ref, fused, lambda: x, 1e-6, steps=1)

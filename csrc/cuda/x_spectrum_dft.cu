@@ -279,7 +279,7 @@ int64_t w_stage_items(const Plan& p, int64_t planes) {
 
 struct PlaneArgs {
   const void* x;     // the slice's x, [n, Ci, D, H, W]
-  void* t;           // [n, D, Lh, Lwf, Ci], or the spectrum at the slice's first sample (with_spectrum_steps)
+  void* t;           // [n, D, Lh, Lwf, Ci], or the spectrum from the slice's first sample on (with_spectrum_steps)
   const void* table; // Plan::tables
   int64_t ci, planes_per_block;
   int d, h, w, lh, lwf, h_rows_pad, h_rows, h_cols, slice_stride;
@@ -746,7 +746,10 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
   const Plan p = make_plan(x, grid);
   const int64_t batch = x.size(0), ci = x.size(1), columns = p.lh * p.lwf * ci;
   const bool planes_only = p.d == 1 && p.ld == 1;  // plane_dft writes the spectrum (with_spectrum_steps)
-  const int64_t slice = planes_only ? batch : std::clamp<int64_t>(kSliceBytes / (p.d * columns * csize), 1, batch);
+  // Without t, one launch for the batch, unless x is to be copied (another layout): a slice at a time.
+  const int64_t slice = planes_only && x.is_contiguous()
+                            ? batch
+                            : std::clamp<int64_t>(kSliceBytes / (p.d * columns * csize), 1, batch);
   // Blocks of up to kMaxPlanes channels, fewer where their shared memory does not fit or
   // where there would be fewer than two blocks per SM (small problems: latency-bound);
   // a plane that does not fit at all leaves x to cuFFT.
@@ -773,7 +776,8 @@ bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::T
   DepthArgs da = depth_args(p, tables, t, spectrum);
   if (planes_only) with_spectrum_steps(pa, p, batch);
   const at::Tensor plane_sums =  // each (b, ci, d) plane's sum, for channel_sums: themselves where D = 1
-      !channel_sums.defined() || planes_only ? channel_sums : at::empty({x.size(0), ci, p.d}, channel_sums.options());
+      !channel_sums.defined() || planes_only ? channel_sums
+                                             : at::empty({x.size(0), ci, p.d}, channel_sums.options());
   const auto stream = at::cuda::getCurrentCUDAStream();
   for (int64_t b0 = 0; b0 < batch; b0 += slice) {
     const int64_t n = std::min(slice, batch - b0);
