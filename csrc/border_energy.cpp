@@ -542,7 +542,8 @@ at::Tensor energy_border(const Backend& backend, const at::Tensor& x, const at::
     RECORD_FUNCTION("fused_ops::border_lines_corners", std::vector<c10::IValue>());
     const Region& r = rs[vg.members[0]];
     const ConvGeometry sub = region_geometry(full, r);
-    const auto term = group_values_energy(backend, x, w_taps, g, sub, vg, r.planes_in(), r.planes_out(), crop_means);
+    const auto term =
+        group_values_energy(backend, x, w_taps, g, sub, vg, r.planes_in(), r.planes_out(), crop_means);
     energy.add_(term, r.dims() % 2 == 0 ? 1.0 : -1.0);
   }
   return energy.view({1, g.out_channels, 1});

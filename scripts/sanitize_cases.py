@@ -41,8 +41,17 @@ run(3, 7, 5, (6, 3, 5), 2, True, "fft")
 # and at a depth grid of 40 (two passes of 8).
 run(2, 8, 4, (16, 32, 32), 5, True, "cross_spectrum")
 run(2, 8, 4, (38, 32, 32), (3, 5, 5), True, "fft")
-# The border's terms (padding > 0): planes, lines and corners as padding-0 problems.
+# One depth position and frequency (border's plane problems): plane_dft writes the spectrum and
+# the channels' sums, in float32 and float64, a channels-last x in slices; the W stage writes Z^.
+run(3, 20, 12, (1, 9, 12), (1, 3, 3), True, "cross_spectrum")
+run(2, 12, 6, (1, 32, 26), (1, 2, 3), True, "cross_spectrum", torch.float64, groups=2)
+run(30, 8, 4, (1, 256, 256), (1, 3, 3), True, "cross_spectrum",
+    view=lambda x: x.contiguous(memory_format=torch.channels_last_3d))
+run(3, 20, 12, (1, 9, 12), (1, 3, 3), True, "fft")
+# The border's terms (padding > 0): planes, lines and corners as padding-0 problems
+# (line_operands.cu's kernels; in float64 a W of 6200 stages too much: ATen's gathers).
 run(2, 4, 6, (4, 5, 3), 3, True, "border", stride=2, padding=1, output_padding=1)
+run(2, 2, 3, (3, 3, 6200), 3, True, "border", torch.float64, padding=1)
 run(2, 4, 6, (4, 5, 3), (3, 2, 3), True, "border", stride=(2, 3, 1), dilation=(1, 2, 2),
     padding=(2, 3, 1), groups=2)
 # Phases of a strided problem (docs/math.md §3.3.1): empty phases (k < s), dilation,

@@ -82,7 +82,7 @@ at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, co
                              const at::Tensor& dft_w, int64_t rows);
 // Backend::line_weight and Backend::line_columns: line_operands.cu, one pass each writing the
 // GEMM's layout; line_columns_aten where a block's staged planes of one channel exceed 48 KiB
-// (a whole dim of several thousand positions).
+// (a whole dim of several thousand positions) or x is not contiguous.
 at::Tensor line_weight_cuda(const at::Tensor& w_taps, const at::Tensor& tap_index, int64_t groups);
 at::Tensor line_columns_cuda(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& columns,
                              int64_t groups, int64_t b0, int64_t n);

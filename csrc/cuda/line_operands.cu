@@ -2,7 +2,8 @@
 // line_columns, border_energy.cpp's group_values_energy, docs/math.md §3.6), each written
 // in the GEMM's layout by one kernel. Why: ATen formed them with index_selects, a zero-filled
 // staging tensor and permuting, converting copies: about 216 us of each pad2 call's 484 us of
-// lines and corners (docs/performance.md, 2026-12-01 18:23 UTC), for operands of about 130 MB.
+// lines and corners (docs/performance.md, 2026-12-01 18:23 UTC), for about 160 MB of operands;
+// these kernels take 80 us (20:00 UTC).
 //   line_weight:  a warp per row of Cog entries, from the weight transposed to
 //                 [Ci, taps + 1, Cog] (one small copy) so that a warp reads adjacent values.
 //   line_columns: one block per (region, group, sample, chunk of channels): the chunk's input
