@@ -10,6 +10,7 @@
 //                 planes staged in shared memory, a zero appended to each (where no input
 //                 lands), read in order of x's positions; then a warp per (f, t) writes its
 //                 run of (ci, plane) entries, adjacent in the output.
+#include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -99,13 +100,6 @@ __global__ void __launch_bounds__(kThreads) line_columns_kernel(const T* __restr
   }
 }
 
-template <typename F>
-void dispatch_float(const at::Tensor& t, const char* name, F f) {
-  if (t.scalar_type() == at::kDouble) return f(double{});
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": expected float32 or float64, got ", t.scalar_type());
-  f(float{});
-}
-
 }  // namespace
 
 at::Tensor line_weight_cuda(const at::Tensor& w_taps, const at::Tensor& tap_index, int64_t groups) {
@@ -128,9 +122,8 @@ at::Tensor line_weight_cuda(const at::Tensor& w_taps, const at::Tensor& tap_inde
   a.k = static_cast<int>(k), a.groups = static_cast<int>(groups);
   const int64_t blocks = (rows + kWarps - 1) / kWarps;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_float(w, "line_weight_cuda", [&](auto zero) {
-    using T = decltype(zero);
-    line_weight_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(w.data_ptr<T>(), a);
+  AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "line_weight_cuda", [&] {
+    line_weight_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(w.data_ptr<scalar_t>(), a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
@@ -169,10 +162,9 @@ at::Tensor line_columns_cuda(const at::Tensor& x, const at::Tensor& positions, c
   a.outputs = static_cast<int>(outputs), a.k = static_cast<int>(k);
   const int64_t smem = chunk * channel_bytes;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_float(x, "line_columns_cuda", [&](auto zero) {
-    using T = decltype(zero);
-    line_columns_kernel<T><<<static_cast<unsigned>(blocks(chunk)), kThreads, static_cast<size_t>(smem), stream>>>(
-        x.data_ptr<T>(), a);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "line_columns_cuda", [&] {
+    const auto grid = static_cast<unsigned>(blocks(chunk));
+    line_columns_kernel<scalar_t><<<grid, kThreads, static_cast<size_t>(smem), stream>>>(x.data_ptr<scalar_t>(), a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;

@@ -688,6 +688,15 @@ at::Tensor tables_for(const Plan& p, const at::Tensor& x, at::ScalarType complex
                     [&] { return build_tables(p, x.options(), complex); });
 }
 
+// a's store steps (PlaneArgs) where bin fw + 1 lies t_fw entries past fw and the next (b, d) t_sample past.
+void set_store_steps(PlaneArgs& a, const Plan& p, int64_t t_fw, int64_t t_sample) {
+  a.t_fw = t_fw;
+  a.t_freq = p.lwf * t_fw;
+  a.t_sample = t_sample;
+  a.t_split = p.axis_h.rows() * a.t_freq;
+  a.t_bin = (p.lwf + 1) / 2 * t_fw;
+}
+
 PlaneArgs plane_args(const Plan& p, const at::Tensor& tables, const at::Tensor& t, int64_t ci, int64_t planes) {
   PlaneArgs a;
   a.t = t.data_ptr();
@@ -701,24 +710,14 @@ PlaneArgs plane_args(const Plan& p, const at::Tensor& tables, const at::Tensor& 
   a.h_rows_pad = static_cast<int>(p.h_rows_pad);
   a.h_rows = static_cast<int>(p.axis_h.rows()), a.h_cols = static_cast<int>(p.axis_h.columns());
   a.slice_stride = static_cast<int>(plane_slice_stride(p.h_rows_pad, p.lwf));
-  a.t_fw = ci;
-  a.t_freq = p.lwf * a.t_fw;
-  a.t_sample = p.lh * a.t_freq;
-  a.t_split = p.axis_h.rows() * a.t_freq;
-  a.t_bin = (p.lwf + 1) / 2 * a.t_fw;
+  set_store_steps(a, p, ci, p.lh * p.lwf * ci);
   a.rows_in_spec = plane_smem(p, planes).rows_in_spec;
   return a;
 }
 
 // a's stores into the spectrum [1, Lh, Lwf, B, Ci] instead of t (D = Ld = 1): (b, fh, fw, ci)
 // at ((fh Lwf + fw) B + b) Ci + ci from the spectrum's start.
-void with_spectrum_steps(PlaneArgs& a, const Plan& p, int64_t batch) {
-  a.t_sample = a.ci;
-  a.t_fw = batch * a.ci;
-  a.t_freq = p.lwf * a.t_fw;
-  a.t_split = p.axis_h.rows() * a.t_freq;
-  a.t_bin = (p.lwf + 1) / 2 * a.t_fw;
-}
+void with_spectrum_steps(PlaneArgs& a, const Plan& p, int64_t batch) { set_store_steps(a, p, batch * a.ci, a.ci); }
 
 DepthArgs depth_args(const Plan& p, const at::Tensor& tables, const at::Tensor& t, const at::Tensor& spectrum) {
   DepthArgs a;
