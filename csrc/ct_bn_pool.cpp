@@ -75,6 +75,11 @@ constexpr int64_t kMinSpectrumSumsBytes = int64_t(32) << 20;
 
 }  // namespace
 
+// Most terms B Cig taps of one output channel's box-sum contractions that the finalize does
+// itself (on CUDA a warp per sample, 27 terms per lane for t8pad1's 6912), saving the GEMM's
+// launches; pad2's 128000 took 202 us there.
+constexpr int64_t kMaxFinalizeTerms = int64_t(1) << 14;
+
 SampleSumTensors training_sample_sums(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
                                       const at::Tensor& weight, const ConvGeometry& g) {
   // The spectral paths read all of x for its spectrum: x's sums come out of that pass
@@ -120,8 +125,11 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
   in.sums = training && !g.has_padding() ? training_sample_sums(backend, energy_algo, x_in, weight_c, g)
                                           : sample_sums(backend, x_in, weight_c, g);
   // The box sums' contraction has Cig * taps terms per (sample, channel): as one batched
-  // GEMM here, not in the finalize's loops (pad2: 202 us of its CUDA kernel, 06:17 UTC).
-  if (g.has_padding()) in.sample_sums = sample_conv_sums(in.sums, g);
+  // GEMM here where the finalize's loops would take long (pad2: 202 us of its CUDA kernel,
+  // 06:17 UTC), in the finalize where the GEMM's launches would (kMaxFinalizeTerms).
+  if (g.has_padding() && g.batch * g.in_group_channels() * g.taps() > kMaxFinalizeTerms) {
+    in.sample_sums = sample_conv_sums(in.sums, g);
+  }
   if (!training) return;
   const at::ScalarType energy_dtype = compute_dtype(x_in.scalar_type());
   const at::Tensor x = x_in.to(energy_dtype);  // same layout

@@ -126,6 +126,9 @@ struct Backend {
   at::Tensor (*line_weight)(const at::Tensor& w_taps, const at::Tensor& tap_index, int64_t groups);
   at::Tensor (*line_columns)(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& columns,
                              int64_t groups, int64_t b0, int64_t n);
+  // Padding > 0: box_sums' T [B, Ci, taps] double from x in any layout, in one pass, or
+  // undefined where this device's kernel does not take the problem; null: box_sums' einsums.
+  at::Tensor (*box_sums)(const at::Tensor& x, const ConvGeometry& g);
   // x's spectrum's kernels: a DFT without the FFT, or the copies around it (x_spectrum.h).
   SpectrumKernels spectrum_kernels;
 };

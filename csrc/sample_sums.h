@@ -19,7 +19,11 @@ struct SampleSums {
   int64_t in_channels, in_group_channels, out_group_channels;
 
   // Part of the contraction for (b, co): terms k = first, first + step, ... of
-  // the Cig * J terms, so several threads can share one sum.
+  // the Cig * J terms, so several threads can share one sum. Eight terms' loads are issued
+  // at once, unconditionally (a term past the end reads term `first`, and is not added): loads
+  // under a condition waited for each other, one term at a time (t8pad1's CUDA finalize, 27
+  // terms per lane: 12.1 us so, 6.9 with four loads at once; docs/performance.md, 2026-12-01
+  // 21:35 and 21:43 UTC).
   FO_HD double conv_sum_part(int64_t b, int64_t co, int64_t first, int64_t step) const {
     const int64_t group = co / out_group_channels, co_g = co % out_group_channels;
     const int64_t terms = in_group_channels * parts, w_parts = w_part_stride ? parts : 1;
@@ -28,23 +32,38 @@ struct SampleSums {
     // Term k is (ci, j) = (k / parts, k % parts), ci within the group; both are
     // stepped along with k, without a division per term (J can be large: the
     // channels-last spatial sums split samples into chunks).
-    const int64_t ci_step = step / parts, j_step = step % parts;
+    const int64_t ci_step = step / parts, j_step = step % parts, w_ci = out_group_channels * w_parts;
     int64_t ci = first / parts, j = first % parts;
-    double s = 0;
-    for (int64_t k = first; k < terms; k += step) {
-      s += xr[k] * wr[ci * out_group_channels * w_parts + j * w_part_stride];
-      ci += ci_step;
-      j += j_step;
-      if (j >= parts) {
-        j -= parts;
-        ++ci;
+    const int64_t w_first = ci * w_ci + j * w_part_stride;
+    constexpr int kBatch = 8;
+    double s[kBatch] = {};
+    for (int64_t k = first; k < terms;) {
+      int64_t xo[kBatch], wo[kBatch];
+      bool used[kBatch];
+FO_UNROLL
+      for (int u = 0; u < kBatch; ++u) {
+        used[u] = k < terms;
+        xo[u] = k < terms ? k : first;
+        wo[u] = k < terms ? ci * w_ci + j * w_part_stride : w_first;
+        k += step;
+        ci += ci_step;
+        j += j_step;
+        if (j >= parts) {
+          j -= parts;
+          ++ci;
+        }
       }
+      double v[kBatch];
+FO_UNROLL
+      for (int u = 0; u < kBatch; ++u) v[u] = xr[xo[u]] * wr[wo[u]];
+FO_UNROLL
+      for (int u = 0; u < kBatch; ++u) s[u] += used[u] ? v[u] : 0.0;
     }
-    return s;
+    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
   }
 
-  // The whole contraction for (b, co) in one thread: the same terms in the same
-  // order as conv_sum_part(b, co, 0, 1), without its divisions per term.
+  // The whole contraction for (b, co) in one thread (the CPU's), without
+  // conv_sum_part's divisions per term.
   FO_HD double conv_sum(int64_t b, int64_t co) const {
     const int64_t group = co / out_group_channels, co_g = co % out_group_channels;
     const int64_t w_parts = w_part_stride ? parts : 1;

@@ -115,10 +115,12 @@ def test_large_channel_mean_is_not_cancelled(device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("problem, staged", [
-    # the bench's `odd` problem: x and the tile's weights copied to shared memory first
-    # (float64: 66 KiB, past the default 48 KiB limit)
-    (Problem(3, 5, 7, (9, 11, 13), (2, 3, 4)), True),
-    (Problem(2, 16, 20, (16, 16, 16), (3, 3, 3)), False),  # 256 KiB of x per sample
+    # the bench's `odd` problem with a stride along W (at stride 1 ct_stats_stride1.cu takes
+    # it): x and the tile's weights copied to shared memory first (float64: past the
+    # default 48 KiB limit)
+    (Problem(3, 5, 7, (9, 11, 13), (2, 3, 4), conv_kwargs=dict(stride=(1, 1, 2))), True),
+    # 256 KiB of x per sample
+    (Problem(2, 16, 20, (16, 16, 16), (3, 3, 3), conv_kwargs=dict(dilation=(1, 2, 1))), False),
     # 27 input channels over 16 sets of threads (1 or 2 each), and in float32 the 9 (kd, kh)
     # pairs over 2 (on an H200's 132 SMs), two tiles of output channels
     # (the second partial), rows of an odd length (the last pair of positions half outside)
@@ -126,9 +128,9 @@ def test_large_channel_mean_is_not_cancelled(device):
 ], ids=["shared", "global", "input-split"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_direct_kernel_stages_what_fits(problem, staged, dtype):
-    """csrc/cuda/ct_stats.cu reads x from shared memory where a sample's x and a tile's
-    weights fit there, from global memory elsewhere, and splits a group's input channels
-    over sets of threads; each against float64."""
+    """csrc/cuda/ct_stats.cu (a stride or dilation above 1) reads x from shared memory where a
+    sample's x and a tile's weights fit there, from global memory elsewhere, and splits a
+    group's input channels over sets of threads; each against float64."""
     ref, fused = make_models(problem, dtype, "cuda", algo="direct")
     ref.train()
     fused.train()
@@ -144,3 +146,73 @@ def test_direct_kernel_stages_what_fits(problem, staged, dtype):
         assert relerr(out, ref(x.double().cpu())) <= TOLERANCE[dtype]
     for name in ("running_mean", "running_var"):
         assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= TOLERANCE[dtype]
+
+
+STRIDE1_KERNEL = "energy_direct_stride1_kernel"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("problem, kernel", [
+    # t8pad1's shape, smaller: one channel chunk, tiles of one output plane
+    (Problem(3, 12, 16, (6, 7, 8), (3, 3, 3), conv_kwargs=dict(padding=1)), STRIDE1_KERNEL),
+    # 40 input channels of 125 taps: the staged chunks are several (112 KiB each); 20
+    # output channels: a second, partial tile; padding above the kernel's reach along D
+    # (the output smaller than x) and none along W
+    (Problem(2, 40, 20, (9, 9, 11), (5, 5, 5), conv_kwargs=dict(padding=(5, 2, 0))), STRIDE1_KERNEL),
+    # groups, an odd output width (the last thread's second position outside), a tile of
+    # rows that does not divide the output's height
+    (Problem(3, 6, 9, (4, 13, 7), (2, 3, 2), conv_kwargs=dict(groups=3, padding=(0, 1, 1))), STRIDE1_KERNEL),
+    # rows too long for a block's threads (600 float64 positions): ct_stats.cu's kernel
+    (Problem(2, 2, 3, (1, 2, 598), (1, 2, 3)), "energy_direct_kernel"),
+], ids=["one-chunk", "chunks", "groups", "long-rows"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stride1_direct_kernel(problem, kernel, dtype):
+    """csrc/cuda/ct_stats_stride1.cu (stride and dilation 1: each tile's box of x staged with
+    its halo) against float64: output and running statistics over three steps."""
+    if kernel == "energy_direct_kernel" and dtype == torch.float32:
+        problem = Problem(2, 2, 3, (1, 2, 1100), (1, 2, 3))  # 1102 float32 positions
+    ref, fused = make_models(problem, dtype, "cuda", algo="direct")
+    ref.train()
+    fused.train()
+    for step in range(3):
+        x = make_input(problem, dtype, "cuda")
+        with torch.no_grad(), torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = fused(x)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        assert any(kernel in n for n in names)
+        assert (kernel == STRIDE1_KERNEL) == any(STRIDE1_KERNEL in n for n in names)
+        with torch.no_grad():
+            assert relerr(out, ref(x.double().cpu())) <= TOLERANCE[dtype]
+    for name in ("running_mean", "running_var"):
+        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("problem, layout, kernel", [
+    (Problem(2, 5, 6, (4, 6, 7), (3, 2, 3), conv_kwargs=dict(padding=(1, 1, 2))),
+     torch.contiguous_format, True),
+    # read in place through its strides
+    (Problem(2, 5, 6, (4, 6, 7), (3, 2, 3), conv_kwargs=dict(stride=2, padding=(1, 0, 2), output_padding=1)),
+     torch.channels_last_3d, True),
+    # one plane of x (120 x 120 positions) past the kernel's 48 KiB: box_sums.cpp's einsums
+    (Problem(1, 2, 3, (2, 120, 120), (1, 3, 3), conv_kwargs=dict(padding=(0, 1, 1))), torch.contiguous_format,
+     False),
+], ids=["contiguous", "channels-last-strided", "large-plane"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_box_sums_kernel(problem, layout, kernel, dtype):
+    """csrc/cuda/box_sums.cu's sums of x over the taps' boxes (docs/math.md §2.2), which an
+    eval call with padding turns into its whole output, against float64 (float16 and
+    bfloat16 x: tests/test_dtypes.py's padded problem)."""
+    ref, fused = make_models(problem, dtype, "cuda")
+    ref.eval()
+    fused.eval()
+    x = make_input(problem, dtype, "cuda").contiguous(memory_format=layout)
+    with torch.no_grad(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = fused(x)
+        torch.cuda.synchronize()
+    assert any("box_sums_kernel" in e.name for e in prof.events()) == kernel
+    with torch.no_grad():
+        assert relerr(out, ref(x.double().cpu())) <= TOLERANCE[dtype]

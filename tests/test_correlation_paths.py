@@ -114,7 +114,7 @@ def test_auto_on_cpu_takes_correlation_where_it_is_cheaper(kernel, conv_kwargs, 
 # What each path leaves in the profile: our kernels by name, correlation's GEMMs (aten::bmm),
 # sliced_conv's aten::_convolution (csrc/sliced_conv_energy.cpp calls it directly).
 PATH_MARKS = {"cross_spectrum": "cross_spectrum_", "fft": "spectral_energy_kernel",
-              "direct": "energy_direct_kernel", "sliced_conv": "aten::_convolution"}
+              "direct": "energy_direct_", "sliced_conv": "aten::_convolution"}
 CUDA_AUTO_CASES = [
     (4, 4, dict(stride=2), "cross_spectrum"),    # st2: 27 lags from the cross-spectrum
     (2, 4, dict(stride=2), "correlation"),       # up2: one lag, the Gram matrix
@@ -122,17 +122,18 @@ CUDA_AUTO_CASES = [
     (3, 4, dict(), "direct"),                    # stride 1, 5.5e7: the direct kernel
     (2, 16, dict(stride=2, padding=1), "sliced_conv"),  # padding, 1.8e8: cuDNN over slices
     (2, 4, dict(stride=2, padding=1), "direct"),        # padding, 4.5e7: the direct kernel
+    (3, 16, dict(padding=1), "direct"),          # padding at stride 1, 1.1e8: the direct kernel
 ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernel, batch, conv_kwargs, expected", CUDA_AUTO_CASES,
-                         ids=["st2", "up2", "k3", "k3-small", "padding", "padding-small"])
+                         ids=["st2", "up2", "k3", "k3-small", "padding", "padding-small", "padding-stride1"])
 def test_auto_on_cuda_takes_the_measured_fastest(kernel, batch, conv_kwargs, expected):
     """CUDA auto (csrc/cuda/ct_bn_pool_cuda.cpp, docs/performance.md): with a stride and
     padding 0 the cross-spectrum, or the correlation's single GEMM when every phase has
-    one tap; elsewhere the direct kernel under 1e8 multiply-adds, then at stride 1 the FFT
-    path, with padding cuDNN's convolution."""
+    one tap; elsewhere the direct kernel under 1e8 multiply-adds (2e8 with padding at
+    stride 1), then at stride 1 the FFT path, with padding cuDNN's convolution."""
     p = Problem(batch, 16, 32, (8, 8, 8), (kernel,) * 3, conv_kwargs=conv_kwargs)
     ref, fused = make_models(p, torch.float32, "cuda")
     ref.train()

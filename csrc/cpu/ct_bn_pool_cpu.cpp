@@ -176,7 +176,7 @@ const Backend kCpuBackend = {sample_sums_cpu,      weight_sums_aten,  energy_dir
                              lag_stage_aten,       table_stream_cpu,
                              correlation_blocks_aten, quad_forms_aten,
                              tap_spectrum_aten,    line_weight_aten,
-                             line_columns_aten,
+                             line_columns_aten,    nullptr,
                              kAtenSpectrumKernels};
 
 }  // namespace

@@ -131,8 +131,20 @@ double direct_work(const ConvGeometry& g) {
 // against fft 0.037 and eager 0.028; t8 5.5e7, 0.041 against 0.044; t8c32 2.2e8, 0.059
 // against 0.054). Since the FFT path's small-batch kernel (2026-12-01 06:20 UTC) t8's fft
 // takes 0.035 against direct's 0.039 and odd's 0.031 against 0.025: the crossing lies
-// between them now, not yet re-measured (padded problems take this threshold too).
+// between them now. At stride and dilation 1 the direct kernel is ct_stats_stride1.cu's since
+// 2026-12-01 21:43 UTC: t8 0.036 against fft's 0.032, odd 0.024 against 0.028, t8c32 (2.2e8)
+// 0.072 against 0.036: the bound stands.
 constexpr double kDirectMaxWork = 1e8;
+// With padding at stride and dilation 1, ct_stats_stride1.cu's direct kernel against cuDNN's
+// strict float32 convolution over slices: t8pad1 (1.1e8) 0.057 ms against 0.067
+// (docs/performance.md, 2026-12-01 21:43 UTC); not measured between there and this bound.
+constexpr double kPaddedDirectMaxWork = 2e8;
+bool stride1_direct(const ConvGeometry& g) {
+  for (int d = 0; d < 3; ++d) {
+    if (g.stride[d] != 1 || g.dilation[d] != 1) return false;
+  }
+  return true;
+}
 
 // With padding, the border's terms (docs/math.md §3.6) issue hundreds of ATen ops per call
 // (pad2: 839, 2.9 ms of host time on the H200's machine, 2026-12-01 18:23 UTC; 550 launches and
@@ -163,7 +175,8 @@ EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   if (!g.has_padding() && phase_count(g) > 1) {
     return single_lag(g) ? EnergyAlgo::Correlation : EnergyAlgo::CrossSpectrum;
   }
-  if (direct_work(g) <= kDirectMaxWork) return EnergyAlgo::Direct;
+  const bool padded_stride1 = g.has_padding() && stride1_direct(g);
+  if (direct_work(g) <= (padded_stride1 ? kPaddedDirectMaxWork : kDirectMaxWork)) return EnergyAlgo::Direct;
   if (g.has_padding()) return border_pays(g) ? EnergyAlgo::Border : EnergyAlgo::SlicedConv;
   if (!fft_applies_cuda(g, dtype)) return EnergyAlgo::SlicedConv;
   return cross_spectrum_beats_fft(g) ? EnergyAlgo::CrossSpectrum : EnergyAlgo::Fft;
@@ -175,7 +188,7 @@ const Backend kCudaBackend = {sample_sums_any_layout_cuda, weight_sums_cuda, ene
                               lag_stage_cuda,              table_stream_cuda,
                               correlation_blocks_cuda,     quad_forms_cuda,
                               tap_spectrum_cuda,           line_weight_cuda,
-                              line_columns_cuda,
+                              line_columns_cuda,           box_sums_cuda,
                               kCudaSpectrumKernels};
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "conv_transpose_row.h"
+#include "cuda/direct_tile.cuh"
 #include "cuda/dynamic_smem.h"
 #include "cuda/kernels.h"
 
@@ -25,14 +26,7 @@ constexpr int CT = kDirectTile;
 // over taps and channels: 133 us for the `t8c32` bench problem on 48 blocks
 // (docs/performance.md, 2026-12-01).
 constexpr int kMaxSets = 32;
-constexpr int64_t kStaticSmem = 4 << 10;  // the kernel's shift and per-warp energies
-
-// Adjacent output positions per thread: each x value loaded serves CT channels and each
-// weight loaded serves P positions.
-template <typename acc_t>
-__host__ __device__ constexpr int positions_per_thread() {
-  return sizeof(acc_t) == 4 ? 2 : 1;
-}
+constexpr int64_t kStaticSmem = 6 << 10;  // the shift, its parts and the per-warp energies (direct_tile.cuh)
 
 // Shared memory of the sets' shares: [set][p][channel][thread of the set],
 // a row padded by one value so that both the writes (threads along a row) and the reads
@@ -125,24 +119,6 @@ __device__ __forceinline__ double centred_squares(const acc_t* shares, int sets,
   return e;
 }
 
-// Threads of one channel: lanes l and l + 16 of every warp (kThreads is a multiple of CT).
-// Each thread holds one channel's sum, so one shuffle and a table of the warps' sums
-// replace the CT block-wide reductions (CT barriers) that a reduction per channel costs.
-// Threads 0..CT-1 write their channel's total (those of channels < valid).
-__device__ __forceinline__ void write_channel_energy(double e, int valid, double* out, int64_t stride) {
-  static_assert(CT == 16 && kThreads % 32 == 0, "the reduction pairs lanes 16 apart");
-  __shared__ double warp_energy[kThreads / 32][CT];
-  e += __shfl_xor_sync(0xffffffffu, e, 16);
-  if (threadIdx.x % 32 < CT) warp_energy[threadIdx.x / 32][threadIdx.x % CT] = e;
-  __syncthreads();
-  if (threadIdx.x < CT && static_cast<int>(threadIdx.x) < valid) {
-    double total = 0;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += warp_energy[w][threadIdx.x];
-    out[threadIdx.x * stride] = total;
-  }
-}
-
 // Block (unit, split): sample b, one tile of CT channels of one group, and one
 // contiguous range of items, an item being P adjacent positions of an output row.
 // Partial energies of the splits share the same shift (the sample mean), so they add up
@@ -166,11 +142,8 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) unsigned char smem[];
   acc_t* shares = reinterpret_cast<acc_t*>(smem);
   __shared__ acc_t shift[CT];
-  if (threadIdx.x < CT) {
-    const int64_t co_g = co0 + threadIdx.x;
-    shift[threadIdx.x] = co_g < cog ? static_cast<acc_t>(sums.conv_sum(b, group * cog + co_g) / n_out)
-                                    : acc_t(0);
-  }
+  const int valid = static_cast<int>(std::min<int64_t>(CT, cog - co0));
+  tile_shift<kThreads>(sums, b, group * cog + co0, valid, static_cast<double>(n_out), shift);
   const Operands<scalar_t> in = stage_operands<scalar_t, kStaged>(
       x + (b * g.in_channels + group * g.in_group_channels()) * g.in_spatial(), weight, g, group, co0, co_pad,
       reinterpret_cast<scalar_t*>(shares + share_values<acc_t>(ci_sets * pair_sets)));
@@ -205,8 +178,8 @@ __global__ void __launch_bounds__(kThreads)
     e += centred_squares<P>(shares, sets, threads, channel, shift[channel], first, end, row_items, g.out_size[2]);
     __syncthreads();  // the shares are rewritten by the next pass
   }
-  write_channel_energy(e, static_cast<int>(std::min<int64_t>(CT, cog - co0)),
-                       energy + (b * g.out_channels + group * cog + co0) * splits + split, splits);
+  write_channel_energy<kThreads>(e, valid,
+                                 energy + (b * g.out_channels + group * cog + co0) * splits + split, splits);
 }
 
 // Sets of threads per block: the largest power of two (up to kMaxSets) that keeps
@@ -230,6 +203,7 @@ Sets sets_for(const ConvGeometry& g, int64_t units, int64_t items, int64_t sms) 
 
 at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& weight,
                               const SampleSumTensors& sums, const ConvGeometry& g) {
+  if (at::Tensor energy = energy_direct_stride1_cuda(x, weight, sums, g); energy.defined()) return energy;
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t co_pad = direct_co_pad(g), units = g.batch * g.groups * (co_pad / CT);
   TORCH_CHECK(units < (int64_t(1) << 31), "ct_bn_pool: problem too large for the direct kernel");

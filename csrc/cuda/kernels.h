@@ -43,8 +43,15 @@ KernelFootprint eval_finalize_footprint(at::ScalarType weight_dtype);
 // Eval mode's finalize after sample_sums_x_only_cuda: in.weight (contiguous) is summed
 // here, before the kernel waits for the x pass.
 void eval_finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
+// Backend::energy_direct: ct_stats_stride1.cu where energy_direct_stride1_cuda takes the
+// problem, else ct_stats.cu's kernel (any geometry).
 at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& weight,
                               const SampleSumTensors& sums, const ConvGeometry& g);
+// At stride and dilation 1, where a tile of output rows fits the block's threads (Wo of at
+// most 512 float32 positions, 256 float64) and one input channel's box and weights its
+// shared memory: [B, Co, S] energy; elsewhere undefined.
+at::Tensor energy_direct_stride1_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                      const SampleSumTensors& sums, const ConvGeometry& g);
 void finalize_cuda(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out);
 // Backend::cross_spectrum_rows (docs/math.md §3.5): cross_spectrum.cu, one block per
 // (fd, fw) row and tile of (i, j) pairs, the h lags' sums added as each fh's matrix is made.
@@ -86,6 +93,9 @@ at::Tensor tap_spectrum_cuda(const at::Tensor& taps, const at::Tensor& dft_d, co
 at::Tensor line_weight_cuda(const at::Tensor& w_taps, const at::Tensor& tap_index, int64_t groups);
 at::Tensor line_columns_cuda(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& columns,
                              int64_t groups, int64_t b0, int64_t n);
+// Backend::box_sums: box_sums.cu, a block per (sample, input channel) with its planes of x in
+// shared memory; undefined where one plane and its sums exceed 48 KiB.
+at::Tensor box_sums_cuda(const at::Tensor& x, const ConvGeometry& g);
 // SpectrumKernels (x_spectrum.h): x_spectrum_dft.cu, and x_spectrum_copies.cu around cuFFT
 // where it does not apply (ATen's copies for other layouts).
 bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum,
