@@ -2,9 +2,9 @@
 // ct_stats.cu's computation for the geometry where each output position's taps read a
 // box of x. A block stages the box of its tile of output positions, halo included and
 // zero where it falls outside x (padding needs no test per tap), with its channels' weights
-// in the order its loops read them; each thread then sums P positions of one row for the
-// tile's CT channels over a share of the input channels, every load from shared memory
-// serving P * CT or CT multiply-adds.
+// from a copy packed per tile; each thread then sums P positions of one row for the tile's
+// CT channels over a share of the input channels, every load from shared memory serving
+// P * CT or CT multiply-adds.
 #include <ATen/AccumulateType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
