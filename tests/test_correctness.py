@@ -153,9 +153,9 @@ STRIDE1_KERNEL = "energy_direct_stride1_kernel"
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("problem, kernel", [
-    # t8pad1's shape, smaller: one channel chunk, tiles of one output plane
+    # t8pad1's shape, smaller: one channel chunk, tiles of a few output rows each
     (Problem(3, 12, 16, (6, 7, 8), (3, 3, 3), conv_kwargs=dict(padding=1)), STRIDE1_KERNEL),
-    # 40 input channels of 125 taps: the staged chunks are several (112 KiB each); 20
+    # 40 input channels of 125 taps: the staged chunks are several (at most 96 KiB each); 20
     # output channels: a second, partial tile; padding above the kernel's reach along D
     # (the output smaller than x) and none along W
     (Problem(2, 40, 20, (9, 9, 11), (5, 5, 5), conv_kwargs=dict(padding=(5, 2, 0))), STRIDE1_KERNEL),
