@@ -153,7 +153,7 @@ STRIDE1_KERNEL = "energy_direct_stride1_kernel"
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("problem, kernel", [
-    # t8pad1's shape, smaller: one channel chunk, tiles of a few output rows each
+    # t8pad1's shape, smaller: one channel chunk; 3 units of work, so tiles of one output row
     (Problem(3, 12, 16, (6, 7, 8), (3, 3, 3), conv_kwargs=dict(padding=1)), STRIDE1_KERNEL),
     # 40 input channels of 125 taps: the staged chunks are several (at most 96 KiB each); 20
     # output channels: a second, partial tile; padding above the kernel's reach along D
