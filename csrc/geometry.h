@@ -20,6 +20,13 @@ struct ConvGeometry {
   FO_HD int64_t out_spatial() const { return out_size[0] * out_size[1] * out_size[2]; }
   FO_HD int64_t taps() const { return kernel[0] * kernel[1] * kernel[2]; }
   bool has_padding() const { return padding[0] != 0 || padding[1] != 0 || padding[2] != 0; }
+  // Stride and dilation 1 in every dim: each output position's taps read a box of x.
+  bool unit_steps() const {
+    for (int d = 0; d < 3; ++d) {
+      if (stride[d] != 1 || dilation[d] != 1) return false;
+    }
+    return true;
+  }
 
   // Input index along `dim` whose tap `k` lands on output index `o`, or -1.
   // A transposed convolution scatters input i to output i*s - p + k*d.
@@ -31,6 +38,8 @@ struct ConvGeometry {
     return i < in_size[dim] ? i : -1;
   }
 };
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline int64_t conv_transpose_out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d,
                                        int64_t op) {

@@ -139,12 +139,6 @@ constexpr double kDirectMaxWork = 1e8;
 // strict float32 convolution over slices: t8pad1 (1.1e8) 0.057 ms against 0.067
 // (docs/performance.md, 2026-12-01 21:43 UTC); not measured between there and this bound.
 constexpr double kPaddedDirectMaxWork = 2e8;
-bool stride1_direct(const ConvGeometry& g) {
-  for (int d = 0; d < 3; ++d) {
-    if (g.stride[d] != 1 || g.dilation[d] != 1) return false;
-  }
-  return true;
-}
 
 // With padding, the border's terms (docs/math.md §3.6) issue hundreds of ATen ops per call
 // (pad2: 839, 2.9 ms of host time on the H200's machine, 2026-12-01 18:23 UTC; 550 launches and
@@ -175,7 +169,7 @@ EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   if (!g.has_padding() && phase_count(g) > 1) {
     return single_lag(g) ? EnergyAlgo::Correlation : EnergyAlgo::CrossSpectrum;
   }
-  const bool padded_stride1 = g.has_padding() && stride1_direct(g);
+  const bool padded_stride1 = g.has_padding() && g.unit_steps();
   if (direct_work(g) <= (padded_stride1 ? kPaddedDirectMaxWork : kDirectMaxWork)) return EnergyAlgo::Direct;
   if (g.has_padding()) return border_pays(g) ? EnergyAlgo::Border : EnergyAlgo::SlicedConv;
   if (!fft_applies_cuda(g, dtype)) return EnergyAlgo::SlicedConv;

@@ -26,7 +26,6 @@ constexpr int CT = kDirectTile;
 // over taps and channels: 133 us for the `t8c32` bench problem on 48 blocks
 // (docs/performance.md, 2026-12-01).
 constexpr int kMaxSets = 32;
-constexpr int64_t kStaticSmem = 6 << 10;  // the shift, its parts and the per-warp energies (direct_tile.cuh)
 
 // Shared memory of the sets' shares: [set][p][channel][thread of the set],
 // a row padded by one value so that both the writes (threads along a row) and the reads
@@ -221,8 +220,8 @@ at::Tensor energy_direct_cuda(const at::Tensor& x, const at::Tensor& weight,
     const int64_t splits = std::min(max_splits, std::max<int64_t>(1, (2 * sms + units - 1) / units));
     auto energy = at::empty({g.batch, g.out_channels, splits}, x.options().dtype(at::kDouble));
     const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(splits));
-    // (the limit holds the static shared memory too: kStaticSmem bounds it)
-    const bool staged = direct_smem_bytes<scalar_t>(g, sets.ci * sets.pairs, true) <= dynamic_smem_limit() - kStaticSmem;
+    // (the limit holds the static shared memory too: kDirectStaticSmem bounds it)
+    const bool staged = direct_smem_bytes<scalar_t>(g, sets.ci * sets.pairs, true) <= dynamic_smem_limit() - kDirectStaticSmem;
     const int64_t smem = direct_smem_bytes<scalar_t>(g, sets.ci * sets.pairs, staged);
     auto kernel = staged ? energy_direct_kernel<scalar_t, true> : energy_direct_kernel<scalar_t, false>;
     const at::Tensor w = staged ? weight : pack_weight_for_direct(weight, g);

@@ -29,9 +29,6 @@ constexpr int CT = kDirectTile;
 // Staged x and weights per block: two blocks (with their static shared memory) fit a
 // multiprocessor's 228 KiB.
 constexpr int64_t kStageBytes = int64_t(96) << 10;
-constexpr int64_t kStaticSmem = 6 << 10;  // the shift, its parts and the per-warp energies
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // How blocks and threads split one problem (host-computed). A block's tile is tile_d x tile_h
 // output rows of the whole width, `items` of P positions each (P positions of a row, a
@@ -84,7 +81,7 @@ c10::optional<Stride1Plan> stride1_plan(const ConvGeometry& g, int64_t units, in
   const int64_t stage = (p.w_offset + chunk * g.taps() * CT) * int64_t(sizeof(scalar_t));
   const int64_t shares = int64_t(p.sets) * P * CT * (p.items + 1) * int64_t(sizeof(acc_t));
   p.smem_bytes = std::max(stage, shares);
-  if (p.smem_bytes > dynamic_smem_limit() - kStaticSmem || units * p.tiles >= (int64_t(1) << 31)) {
+  if (p.smem_bytes > dynamic_smem_limit() - kDirectStaticSmem || units * p.tiles >= (int64_t(1) << 31)) {
     return c10::nullopt;
   }
   return p;
@@ -253,9 +250,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // two blocks: at most 128 regis
 
 at::Tensor energy_direct_stride1_cuda(const at::Tensor& x, const at::Tensor& weight, const SampleSumTensors& sums,
                                       const ConvGeometry& g) {
-  for (int d = 0; d < 3; ++d) {
-    if (g.stride[d] != 1 || g.dilation[d] != 1) return {};
-  }
+  if (!g.unit_steps()) return {};
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t co_tiles = direct_co_pad(g) / CT, units = g.batch * g.groups * co_tiles;
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;

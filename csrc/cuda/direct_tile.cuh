@@ -8,6 +8,11 @@
 
 namespace fused_ops {
 
+// A bound on the static shared memory of a block of either kernel (tile_shift's parts, the
+// shift, write_channel_energy's per-warp energies), which their dynamic shared memory must
+// leave room for.
+constexpr int64_t kDirectStaticSmem = 6 << 10;
+
 // Output positions per thread: each weight loaded serves this many positions (one in
 // float64, where the accumulators are twice the registers).
 template <typename acc_t>

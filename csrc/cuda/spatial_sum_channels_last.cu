@@ -49,8 +49,6 @@ struct alignas(sizeof(scalar_t) * kLanes) Lanes {
   scalar_t v[kLanes];
 };
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Vectors of channels a slab holds (a block's columns of threads): all of them
 // when the samples alone fill the GPU, else slabs of at least `narrowest`; at
 // most kThreads. Slabs come before chunks of positions: they do not lengthen the

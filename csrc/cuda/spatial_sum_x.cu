@@ -99,8 +99,6 @@ __global__ void FO_X_PASS_BOUNDS spatial_sum_x_kernel(const scalar_t* __restrict
   }
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Parts of whole rounds of loads (kThreads * kUnroll vectors; the seed problem gets
 // 2 per row, as the microbenchmark's V2), enough items for kItemsPerBlock per block,
 // at most kMaxEvalTerms / Cig parts (the finalize holds a weight sum per term; its
