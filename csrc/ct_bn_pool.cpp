@@ -122,6 +122,17 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
     if (!in.sums.w_red.defined()) in.weight = weight_c;  // the finalize sums it
     return;
   }
+  // The direct statistics that need no sums of x, where the device has them.
+  if (training && energy_algo == EnergyAlgo::Direct && backend.direct_stats) {
+    const at::ScalarType energy_dtype = compute_dtype(x_in.scalar_type());
+    auto [energy, sample_sums] =
+        backend.direct_stats(x_in.to(energy_dtype).contiguous(), contiguous_as(weight_in, energy_dtype), g);
+    if (energy.defined()) {
+      in.energy = std::move(energy);
+      in.sample_sums = std::move(sample_sums);
+      return;
+    }
+  }
   in.sums = training && !g.has_padding() ? training_sample_sums(backend, energy_algo, x_in, weight_c, g)
                                           : sample_sums(backend, x_in, weight_c, g);
   // The box sums' contraction has Cig * taps terms per (sample, channel): as one batched

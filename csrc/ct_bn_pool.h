@@ -129,6 +129,12 @@ struct Backend {
   // Padding > 0: box_sums' T [B, Ci, taps] double from x in any layout, in one pass, or
   // undefined where this device's kernel does not take the problem; null: box_sums' einsums.
   at::Tensor (*box_sums)(const at::Tensor& x, const ConvGeometry& g);
+  // Training's direct statistics without x's sums: [B, Co, 1] within-sample energy and [B, Co]
+  // sample conv sums (bias excluded), both double, from x (contiguous) and the weight
+  // (contiguous, x's dtype), or undefined where this device's kernel does not take the problem;
+  // null: none (energy_direct with the sums).
+  std::pair<at::Tensor, at::Tensor> (*direct_stats)(const at::Tensor& x, const at::Tensor& weight,
+                                                    const ConvGeometry& g);
   // x's spectrum's kernels: a DFT without the FFT, or the copies around it (x_spectrum.h).
   SpectrumKernels spectrum_kernels;
 };

@@ -24,11 +24,21 @@ for training in (False, True):
 # ct_stats.cu's direct kernel from global memory: 256 KiB of x per sample, past what it stages
 # in shared memory (the cases above are staged; at stride and dilation 1 ct_stats_stride1.cu's).
 run(1, 8, 4, (16, 16, 16), 2, True, "direct", torch.float64, dilation=(1, 1, 2))
-# ct_stats_stride1.cu: padding with halos outside x, several staged chunks of input channels,
-# a partial tile of output channels, groups; box_sums.cu in float32, float64 and bfloat16 x.
+# At stride and dilation 1, ct_stats_mma.cu and ct_stats_stride1.cu: padding with halos outside
+# x, several staged chunks of input channels, a partial tile of output channels, groups; the
+# tensor cores' kernel also with tiles of part of a row, several tiles per block and its weights
+# kept over them, one MMA tile per block; box_sums.cu in float32, float64 and bfloat16 x.
+for route in ("mma", "simt"):
+    os.environ["FUSED_OPS_DIRECT"] = route
+    for dtype in (torch.float32, torch.float64):
+        run(2, 40, 20, (9, 9, 11), 5, True, "direct", dtype, padding=(5, 2, 0))
+        run(3, 6, 9, (4, 13, 7), (2, 3, 2), True, "direct", dtype, groups=3, padding=(0, 1, 1))
+os.environ["FUSED_OPS_DIRECT"] = "mma"
 for dtype in (torch.float32, torch.float64):
-    run(2, 40, 20, (9, 9, 11), 5, True, "direct", dtype, padding=(5, 2, 0))
-    run(3, 6, 9, (4, 13, 7), (2, 3, 2), True, "direct", dtype, groups=3, padding=(0, 1, 1))
+    run(2, 3, 5, (2, 3, 300), (2, 2, 3), True, "direct", dtype, padding=(0, 1, 1))
+    run(3, 5, 7, (9, 11, 13), (2, 3, 4), True, "direct", dtype)
+    run(2, 4, 6, (3, 4, 5), 3, True, "direct", dtype, padding=1)
+os.environ["FUSED_OPS_DIRECT"] = "auto"
 run(2, 5, 6, (4, 6, 7), 3, False, "auto", torch.bfloat16, padding=1)
 # Input channels over 16 sets of threads and (kd, kh) pairs over 2 (132 SMs), rows of odd length.
 for dtype in (torch.float32, torch.float64):

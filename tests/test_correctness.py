@@ -149,33 +149,46 @@ def test_direct_kernel_stages_what_fits(problem, staged, dtype):
 
 
 STRIDE1_KERNEL = "energy_direct_stride1_kernel"
+MMA_KERNEL = "direct_stats_mma_kernel"
+STRIDE1_PROBLEMS = [
+    # t8pad1's shape, smaller: one channel chunk; 3 units of work, so tiles of one output row
+    # (the tensor cores' kernel: 6 tiles of 2 rows, x offset from zero: sample sums from y)
+    (Problem(3, 12, 16, (6, 7, 8), (3, 3, 3), conv_kwargs=dict(padding=1)), STRIDE1_KERNEL, 3.0),
+    # 40 input channels of 125 taps: the staged chunks are several (at most 96 KiB each, 100
+    # KiB the tensor cores' kernel); 20 output channels: a second, partial tile; padding above
+    # the kernel's reach along D (the output smaller than x) and none along W
+    (Problem(2, 40, 20, (9, 9, 11), (5, 5, 5), conv_kwargs=dict(padding=(5, 2, 0))), STRIDE1_KERNEL, 0.0),
+    # groups, an odd output width (the last thread's second position outside), a tile of
+    # rows that does not divide the output's height
+    (Problem(3, 6, 9, (4, 13, 7), (2, 3, 2), conv_kwargs=dict(groups=3, padding=(0, 1, 1))), STRIDE1_KERNEL, 0.0),
+    # rows too long for a block's threads (600 float64 positions): ct_stats.cu's kernel (the
+    # tensor cores' kernel: tiles of part of a row)
+    (Problem(2, 2, 3, (1, 2, 598), (1, 2, 3)), "energy_direct_kernel", 0.0),
+]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("problem, kernel", [
-    # t8pad1's shape, smaller: one channel chunk; 3 units of work, so tiles of one output row
-    (Problem(3, 12, 16, (6, 7, 8), (3, 3, 3), conv_kwargs=dict(padding=1)), STRIDE1_KERNEL),
-    # 40 input channels of 125 taps: the staged chunks are several (at most 96 KiB each); 20
-    # output channels: a second, partial tile; padding above the kernel's reach along D
-    # (the output smaller than x) and none along W
-    (Problem(2, 40, 20, (9, 9, 11), (5, 5, 5), conv_kwargs=dict(padding=(5, 2, 0))), STRIDE1_KERNEL),
-    # groups, an odd output width (the last thread's second position outside), a tile of
-    # rows that does not divide the output's height
-    (Problem(3, 6, 9, (4, 13, 7), (2, 3, 2), conv_kwargs=dict(groups=3, padding=(0, 1, 1))), STRIDE1_KERNEL),
-    # rows too long for a block's threads (600 float64 positions): ct_stats.cu's kernel
-    (Problem(2, 2, 3, (1, 2, 598), (1, 2, 3)), "energy_direct_kernel"),
-], ids=["one-chunk", "chunks", "groups", "long-rows"])
+@pytest.mark.parametrize("problem, simt_kernel, offset", STRIDE1_PROBLEMS,
+                         ids=["one-chunk", "chunks", "groups", "long-rows"])
+@pytest.mark.parametrize("route", ["mma", "simt"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_stride1_direct_kernel(problem, kernel, dtype):
-    """csrc/cuda/ct_stats_stride1.cu (stride and dilation 1: each tile's box of x staged with
-    its halo) against float64: output and running statistics over three steps."""
+def test_stride1_direct_kernel(problem, simt_kernel, offset, route, dtype, monkeypatch):
+    """At stride and dilation 1 FUSED_OPS_DIRECT picks the kernel that `auto` picks by padding:
+    `mma` csrc/cuda/ct_stats_mma.cu (float64 tensor cores, sm_90: every product and sum in
+    float64, the sample sums from y), `simt` csrc/cuda/ct_stats_stride1.cu (each tile's box of x
+    staged with its halo); each against float64: output and running statistics over three
+    steps."""
+    if route == "mma" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("float64 tensor cores of sm_90")
+    monkeypatch.setenv("FUSED_OPS_DIRECT", route)
+    kernel = MMA_KERNEL if route == "mma" else simt_kernel
     if kernel == "energy_direct_kernel" and dtype == torch.float32:
         problem = Problem(2, 2, 3, (1, 2, 1100), (1, 2, 3))  # 1102 float32 positions
     ref, fused = make_models(problem, dtype, "cuda", algo="direct")
     ref.train()
     fused.train()
     for step in range(3):
-        x = make_input(problem, dtype, "cuda")
+        x = make_input(problem, dtype, "cuda") + offset
         with torch.no_grad(), torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             out = fused(x)

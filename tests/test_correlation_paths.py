@@ -113,8 +113,8 @@ def test_auto_on_cpu_takes_correlation_where_it_is_cheaper(kernel, conv_kwargs, 
 
 # What each path leaves in the profile: our kernels by name, correlation's GEMMs (aten::bmm),
 # sliced_conv's aten::_convolution (csrc/sliced_conv_energy.cpp calls it directly).
-PATH_MARKS = {"cross_spectrum": "cross_spectrum_", "fft": "spectral_energy_kernel",
-              "direct": "energy_direct_", "sliced_conv": "aten::_convolution"}
+PATH_MARKS = {"cross_spectrum": ("cross_spectrum_",), "fft": ("spectral_energy_kernel",),
+              "direct": ("energy_direct_", "direct_stats_mma_kernel"), "sliced_conv": ("aten::_convolution",)}
 CUDA_AUTO_CASES = [
     (4, 4, dict(stride=2), "cross_spectrum"),    # st2: 27 lags from the cross-spectrum
     (2, 4, dict(stride=2), "correlation"),       # up2: one lag, the Gram matrix
@@ -143,7 +143,7 @@ def test_auto_on_cuda_takes_the_measured_fastest(kernel, batch, conv_kwargs, exp
         out = fused(x)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
-    seen = {path for path, mark in PATH_MARKS.items() if any(mark in name for name in names)}
+    seen = {path for path, marks in PATH_MARKS.items() if any(m in name for m in marks for name in names)}
     assert seen == ({expected} & PATH_MARKS.keys())
     if expected == "correlation":
         assert any(name == "aten::bmm" for name in names)
@@ -193,7 +193,7 @@ def test_auto_on_cuda_at_stride_1_weighs_the_cross_spectrum(batch, size, kernel,
         out = fused(x)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
-    assert {path for path, mark in PATH_MARKS.items() if any(mark in name for name in names)} == {expected}
+    assert {path for path, marks in PATH_MARKS.items() if any(m in name for m in marks for name in names)} == {expected}
     with torch.no_grad():
         assert relerr(out, ref(x.double())) <= 1e-6
 
@@ -373,14 +373,18 @@ def test_overlapping_launches_off_gives_the_same_bits(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("variable", ["FUSED_OPS_S_STAGE", "FUSED_OPS_CONTRACTION", "FUSED_OPS_OVERLAP"])
-def test_cross_spectrum_refuses_an_unknown_route(variable, monkeypatch):
+@pytest.mark.parametrize("variable, algo", [("FUSED_OPS_S_STAGE", "cross_spectrum"),
+                                             ("FUSED_OPS_CONTRACTION", "cross_spectrum"),
+                                             ("FUSED_OPS_OVERLAP", "cross_spectrum"),
+                                             ("FUSED_OPS_DIRECT", "direct")])
+def test_a_forced_route_refuses_an_unknown_value(variable, algo, monkeypatch):
     """FUSED_OPS_S_STAGE takes `auto` or `simt`, FUSED_OPS_CONTRACTION `auto` or `gemm`,
-    FUSED_OPS_OVERLAP `auto` or `off`; anything else is an error naming the variable, and the
-    running statistics and the batch count are left as they were."""
+    FUSED_OPS_OVERLAP `auto` or `off`, FUSED_OPS_DIRECT `auto`, `mma` or `simt`; anything else
+    is an error naming the variable, and the running statistics and the batch count are left as
+    they were."""
     monkeypatch.setenv(variable, "tensor_cores")
     p = Problem(2, 8, 4, (3, 4, 5), (2, 2, 2))
-    _, fused = make_models(p, torch.float32, "cuda", algo="cross_spectrum")
+    _, fused = make_models(p, torch.float32, "cuda", algo=algo)
     fused.train()
     bn = fused.batch_norm
     before = [t.clone() for t in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]

@@ -177,7 +177,7 @@ const Backend kCpuBackend = {sample_sums_cpu,      weight_sums_aten,  energy_dir
                              correlation_blocks_aten, quad_forms_aten,
                              tap_spectrum_aten,    line_weight_aten,
                              line_columns_aten,    nullptr,
-                             kAtenSpectrumKernels};
+                             nullptr,              kAtenSpectrumKernels};
 
 }  // namespace
 

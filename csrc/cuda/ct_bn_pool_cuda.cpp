@@ -183,7 +183,7 @@ const Backend kCudaBackend = {sample_sums_any_layout_cuda, weight_sums_cuda, ene
                               correlation_blocks_cuda,     quad_forms_cuda,
                               tap_spectrum_cuda,           line_weight_cuda,
                               line_columns_cuda,           box_sums_cuda,
-                              kCudaSpectrumKernels};
+                              direct_stats_cuda,           kCudaSpectrumKernels};
 
 }  // namespace
 

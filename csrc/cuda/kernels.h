@@ -96,6 +96,12 @@ at::Tensor line_columns_cuda(const at::Tensor& x, const at::Tensor& positions, c
 // Backend::box_sums: box_sums.cu, a block per (sample, input channel) with its planes of x in
 // shared memory; undefined where one plane and its sums exceed 48 KiB.
 at::Tensor box_sums_cuda(const at::Tensor& x, const ConvGeometry& g);
+// Backend::direct_stats: ct_stats_mma.cu (float64 tensor cores, sm_90) at stride and dilation
+// 1 with padding, or for any padding with FUSED_OPS_DIRECT=mma; undefined elsewhere (then
+// energy_direct_cuda with x's sums: FUSED_OPS_DIRECT=simt forces that), and where a group of 8
+// input channels' box of x and weights do not fit a block's shared memory (an error if forced).
+std::pair<at::Tensor, at::Tensor> direct_stats_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                    const ConvGeometry& g);
 // SpectrumKernels (x_spectrum.h): x_spectrum_dft.cu, and x_spectrum_copies.cu around cuFFT
 // where it does not apply (ATen's copies for other layouts).
 bool x_spectrum_dft_cuda(const at::Tensor& x, const int64_t grid[3], const at::Tensor& spectrum,
