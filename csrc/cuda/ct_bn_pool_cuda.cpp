@@ -135,9 +135,10 @@ double direct_work(const ConvGeometry& g) {
 // 2026-12-01 21:43 UTC: t8 0.036 against fft's 0.032, odd 0.024 against 0.028, t8c32 (2.2e8)
 // 0.072 against 0.036: the bound stands.
 constexpr double kDirectMaxWork = 1e8;
-// With padding at stride and dilation 1, ct_stats_stride1.cu's direct kernel against cuDNN's
-// strict float32 convolution over slices: t8pad1 (1.1e8) 0.057 ms against 0.067
-// (docs/performance.md, 2026-12-01 21:43 UTC); not measured between there and this bound.
+// With padding at stride and dilation 1, the direct kernel (ct_stats_mma.cu on sm_90) against
+// cuDNN's strict float32 convolution over slices: t8pad1 (1.1e8) 0.034 ms against 0.069
+// (docs/performance.md, 2026-12-02 00:05 UTC; ct_stats_stride1.cu's took 0.057); not measured
+// between there and this bound.
 constexpr double kPaddedDirectMaxWork = 2e8;
 
 // With padding, the border's terms (docs/math.md §3.6) issue hundreds of ATen ops per call

@@ -89,8 +89,9 @@ c10::optional<MmaPlan> mma_plan_for(const ConvGeometry& g, int m_tiles) {
 }
 
 // A tile's fixed cost (staging its box, the barriers of its reductions) in MMA tiles of rows:
-// the bench's `odd` (3 units of 130 16-position rows' tiles) took about 4.3 us per tile plus 0.3
-// per MMA tile of its rows, from 1 to 8 of them (docs/performance.md, 2026-12-01 23:53 UTC).
+// the bench's `odd` at tiles of 1 to 8 MMA tiles of rows, call times taken as 15 us plus the
+// kernel's, gave about 4.3 us per tile plus 0.3 per MMA tile of its rows (docs/performance.md,
+// 2026-12-01 23:53 UTC).
 constexpr int64_t kTileOverhead = 14;
 
 // The tile size with the least work per block in the busiest wave, fixed costs and masked rows
