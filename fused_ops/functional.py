@@ -68,7 +68,8 @@ def ct_bn_pool(
         algo: how training mode gets the per-channel variance (``docs/math.md`` §3):
             ``"auto"`` (default: on CUDA, with a stride and padding 0, ``"cross_spectrum"``,
             or ``"correlation"`` where every stride phase has one tap; otherwise ``"direct"``
-            where the convolution is under 1e8 multiply-adds, then with padding ``"border"``
+            where the convolution is under 1e8 multiply-adds (2e8 with padding at stride 1),
+            then with padding ``"border"``
             from 1e11 multiply-adds where the crop keeps half of the grid and its terms'
             weights stay under 64 MiB, else
             ``"sliced_conv"``; without padding ``"fft"`` where it applies
@@ -78,7 +79,8 @@ def ct_bn_pool(
             else ``"sliced_conv"``; ``docs/performance.md`` says why), ``"fft"`` (CUDA, float32, float16 or bfloat16,
             padding 0, any stride, dilation and output_padding: Parseval on the spectra of x
             and the weight, in float32, never forming the conv output), ``"direct"`` (our
-            kernel, computes the conv output in registers and never stores it) or
+            kernel, computes the conv output in registers and never stores it; with padding at
+            stride and dilation 1 on sm_90, on the float64 tensor cores) or
             ``"sliced_conv"`` (ATen's convolution, TF32 off, over slices of the batch of at
             most 64 MiB of output) or ``"correlation"`` (any device and dtype, padding 0:
             x's channel cross-correlation at the few lags a strided kernel's phases span,
