@@ -152,11 +152,13 @@ STRIDE1_KERNEL = "energy_direct_stride1_kernel"
 MMA_KERNEL = "direct_stats_mma_kernel"
 STRIDE1_PROBLEMS = [
     # t8pad1's shape, smaller: one channel chunk; 3 units of work, so tiles of one output row
-    # (the tensor cores' kernel: 6 tiles of 2 rows, x offset from zero: sample sums from y)
+    # (the tensor cores' kernel: 6 tiles of one 7-row plane); x offset from zero, where sample
+    # sums from y would show any loss
     (Problem(3, 12, 16, (6, 7, 8), (3, 3, 3), conv_kwargs=dict(padding=1)), STRIDE1_KERNEL, 3.0),
-    # 40 input channels of 125 taps: the staged chunks are several (at most 96 KiB each, 100
-    # KiB the tensor cores' kernel); 20 output channels: a second, partial tile; padding above
-    # the kernel's reach along D (the output smaller than x) and none along W
+    # 40 input channels of 125 taps: the staged chunks are several (at most 96 KiB each; the
+    # tensor cores' kernel: one group of 8 channels per stage, in float64 past its 100 KiB, so
+    # one block per SM); 20 output channels: a second, partial tile; padding above the kernel's
+    # reach along D (the output smaller than x) and none along W
     (Problem(2, 40, 20, (9, 9, 11), (5, 5, 5), conv_kwargs=dict(padding=(5, 2, 0))), STRIDE1_KERNEL, 0.0),
     # groups, an odd output width (the last thread's second position outside), a tile of
     # rows that does not divide the output's height

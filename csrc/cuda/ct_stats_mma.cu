@@ -408,9 +408,9 @@ __global__ void __launch_bounds__(kThreads, 2)
 std::pair<at::Tensor, at::Tensor> direct_stats_cuda(const at::Tensor& x, const at::Tensor& weight,
                                                     const ConvGeometry& g) {
   // auto: padded problems, where the other route needs the box sums and their contraction (three
-  // more launches: t8pad1 0.036 ms so against 0.056); without padding ct_stats_stride1.cu's
-  // shorter tiles win on small problems (odd 0.024 against 0.035; docs/performance.md,
-  // 2026-12-01 23:53 UTC).
+  // more launches: t8pad1 0.034 ms so against 0.057, docs/performance.md, 2026-12-02 00:05 UTC);
+  // without padding ct_stats_stride1.cu's shorter tiles win on small problems (odd 0.024
+  // against 0.035, 2026-12-01 23:53 UTC).
   const int forced = forced_route("FUSED_OPS_DIRECT", {"mma", "simt"});
   if (!g.unit_steps() || forced == 1 || (forced == -1 && !g.has_padding())) return {};
   const bool sm90 = at::cuda::getCurrentDeviceProperties()->major >= 9;
@@ -419,7 +419,7 @@ std::pair<at::Tensor, at::Tensor> direct_stats_cuda(const at::Tensor& x, const a
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t co_tiles = direct_co_pad(g) / CT, units = g.batch * g.groups * co_tiles;
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "ct_stats_mma_cuda", [&]() -> std::pair<at::Tensor, at::Tensor> {
+  return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "direct_stats_cuda", [&]() -> std::pair<at::Tensor, at::Tensor> {
     const auto plan = mma_plan<scalar_t>(g, units, sms);
     auto kernel = plan && plan->mw == 2 ? direct_stats_mma_kernel<scalar_t, 2> : direct_stats_mma_kernel<scalar_t, 1>;
     const bool runs = plan && compiled_for_sm90(reinterpret_cast<const void*>(kernel), x.device());
