@@ -115,6 +115,7 @@ at::Tensor contiguous_as(const c10::optional<at::Tensor>& t, at::ScalarType dtyp
 void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tensor& weight_in,
                   const ConvGeometry& g, bool training, c10::string_view algo, FinalizeInputs& in) {
   const EnergyAlgo energy_algo = parse_energy_algo(algo, backend, g, x_in.scalar_type());
+  const at::ScalarType energy_dtype = compute_dtype(x_in.scalar_type());
   // The sums read x and the weight in their own dtype, x in its own layout.
   const at::Tensor weight_c = weight_in.contiguous();
   if (!training && !g.has_padding() && backend.eval_sample_sums) {
@@ -124,7 +125,6 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
   }
   // The direct statistics that need no sums of x, where the device has them.
   if (training && energy_algo == EnergyAlgo::Direct && backend.direct_stats) {
-    const at::ScalarType energy_dtype = compute_dtype(x_in.scalar_type());
     auto [energy, sample_sums] =
         backend.direct_stats(x_in.to(energy_dtype).contiguous(), contiguous_as(weight_in, energy_dtype), g);
     if (energy.defined()) {
@@ -142,7 +142,6 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
     in.sample_sums = sample_conv_sums(in.sums, g);
   }
   if (!training) return;
-  const at::ScalarType energy_dtype = compute_dtype(x_in.scalar_type());
   const at::Tensor x = x_in.to(energy_dtype);  // same layout
   const at::Tensor weight = contiguous_as(weight_in, energy_dtype);
   in.energy = energy_of(backend, energy_algo, x, weight, in.sums, g);

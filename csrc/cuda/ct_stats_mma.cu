@@ -14,6 +14,7 @@
 #include <algorithm>
 
 #include "conv_transpose_row.h"
+#include "cuda/copy_async.cuh"
 #include "cuda/dynamic_smem.h"
 #include "cuda/forced_route.h"
 #include "cuda/kernels.h"
@@ -159,8 +160,7 @@ __device__ void stage_chunk(const scalar_t* __restrict__ x_group, const scalar_t
     for (int l = lane / 8; l < p.bw; l += 4) {
       const int64_t iw = origin[2] + l;
       const bool inside = row_inside && iw >= 0 && iw < W;
-      __pipeline_memcpy_async(dst + l * kGroup, inside ? row + iw : x_group, sizeof(scalar_t),
-                              inside ? 0 : sizeof(scalar_t));
+      copy_async(dst + l * kGroup, inside ? row + iw : x_group, inside);
     }
     for (rh += kWarps; rh >= p.bh; rh -= p.bh) {
       if (++rd == p.bd) {

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 
+#include "cuda/copy_async.cuh"
 #include "cuda/direct_tile.cuh"
 #include "cuda/dynamic_smem.h"
 #include "cuda/kernels.h"
@@ -100,15 +101,6 @@ __global__ void pack_tile_weights_kernel(const scalar_t* __restrict__ weight, in
   const int64_t j = i % CT, tap = i / CT % taps, ci = i / (CT * taps) % cig, gt = i / (CT * taps * cig);
   const int64_t co = gt % co_tiles * CT + j, group = gt / co_tiles;
   packed[i] = co < cog ? weight[((group * cig + ci) * cog + co) * taps + tap] : scalar_t(0);
-}
-
-// One value copied to shared memory without passing through registers, or a zero where
-// `inside` is false (src is then not read). A stage's copies are all in flight at once:
-// through registers each store waited on its load (t8pad1's kernel 62.6 us so, 37.5 with the
-// copies; docs/performance.md, 2026-12-01 21:28 and 21:35 UTC).
-template <typename scalar_t>
-__device__ __forceinline__ void copy_async(scalar_t* dst, const scalar_t* src, bool inside) {
-  __pipeline_memcpy_async(dst, src, sizeof(scalar_t), inside ? 0 : sizeof(scalar_t));
 }
 
 // Starts staging input channels [ci0, ci0 + n) of the block's group: x's box (zero outside
