@@ -76,7 +76,11 @@ def write_build_info(archs):
 
 def extension():
     here = os.path.dirname(os.path.abspath(__file__))
-    common = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
+    # Every algorithm's folder: its host .cpp files in every build, its cuda/ folder's .cpp and
+    # .cu files in a CUDA build (docs/design.md, file map).
+    all_sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True) + glob.glob("csrc/**/*.cu", recursive=True))
+    device_only = [f for f in all_sources if "cuda" in f.split(os.sep)[1:-1]]
+    common = [f for f in all_sources if f not in device_only and f.endswith(".cpp")]
     cxx_flags = ["-O3"]  # the C++ standard is the one torch's headers ask for
     include_dirs = [os.path.join(here, "csrc")]
     with_cuda = CUDA_HOME is not None and os.environ.get("FUSED_OPS_FORCE_CPU") != "1"
@@ -98,7 +102,7 @@ def extension():
     print(f"fused_ops: building CUDA kernels with CUDA_HOME={CUDA_HOME}, archs {archs}", file=sys.stderr)
     # CUDA's own include dir first so the toolkit's runtime headers win over the wheels'.
     include_dirs += [os.path.join(CUDA_HOME, "include")] + pip_cuda_include_dirs()
-    sources = common + sorted(glob.glob("csrc/cuda/*.cpp")) + sorted(glob.glob("csrc/cuda/*.cu"))
+    sources = common + device_only
     return CUDAExtension(
         "fused_ops._C",
         sources,

@@ -3,7 +3,8 @@
 // mode, then finalize the batch norm and the pool.
 #include "ct_bn_pool.h"
 
-#include "conv_transpose_row.h"
+#include "common/conv_transpose_row.h"
+#include "dispatch.h"
 #include "validate.h"
 
 namespace fused_ops {
@@ -20,18 +21,11 @@ SampleSums SampleSumTensors::view(const ConvGeometry& g) const {
   return s;
 }
 
-at::Tensor pack_weight_for_direct(const at::Tensor& weight, const ConvGeometry& g) {
-  const int64_t cog = g.out_group_channels();
-  const int64_t co_pad = direct_co_pad(g);
-  auto w = weight.reshape({g.groups, g.in_group_channels(), cog, g.taps()}).transpose(2, 3);
-  return at::constant_pad_nd(w, {0, co_pad - cog}).contiguous();
-}
-
 at::Tensor sample_conv_sums(const SampleSumTensors& sums, const ConvGeometry& g) {
   const int64_t G = g.groups, cig = g.in_group_channels(), cog = g.out_group_channels();
   const auto x_red = sums.x_red.view({g.batch, G, cig, sums.x_red.size(2)});
   const auto w_red = sums.w_red.view({G, cig, cog, sums.w_red.size(2)});
-  if (G == 1 && w_red.size(3) == 1) {  // one GEMM, not einsum's chain (border_energy.cpp's regions)
+  if (G == 1 && w_red.size(3) == 1) {  // one GEMM, not einsum's chain (border.cpp's regions)
     return at::mm(x_red.sum(3).view({g.batch, cig}), w_red.view({cig, cog}));
   }
   const auto s = w_red.size(3) == 1 ? at::einsum("bgi,gic->bgc", {x_red.sum(3), w_red.squeeze(3)})
@@ -63,30 +57,10 @@ at::Tensor weight_sums_aten(const at::Tensor& weight) {
   return weight.reshape({weight.size(0), weight.size(1), -1}).sum(2, true, at::kDouble);
 }
 
-namespace {
-
-// Below this much x the spectrum's pass does not repay its sums' two small launches (the
-// weight's sums, the planes' sum over D) against spatial_sum's one: docs/performance.md,
-// 2026-12-01 08:25 UTC, seed (67 MB) 20.1 us of spatial_sum against 6.6 of launches and 4 more
-// of plane_dft; t8c64 (1 MB) 0.069 ms with them against 0.065 without. A linear model of those
-// two crosses near 18 MB; not measured between them. With a depth of one position there is
-// no sum over D (the planes' sums are the channels'): one small launch against one.
-constexpr int64_t kMinSpectrumSumsBytes = int64_t(32) << 20;
-
-}  // namespace
-
-// Most terms B Cig taps of one output channel's box-sum contractions that the finalize does
-// itself (on CUDA a warp per sample, 27 terms per lane for t8pad1's 6912), saving the GEMM's
-// launches; pad2's 128000 took 202 us there.
-constexpr int64_t kMaxFinalizeTerms = int64_t(1) << 14;
-
 SampleSumTensors training_sample_sums(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
                                       const at::Tensor& weight, const ConvGeometry& g) {
-  // The spectral paths read all of x for its spectrum: x's sums come out of that pass
-  // (x_spectrum's channel sums) instead of one of their own (20 us of the seed call).
-  const bool from_spectrum = (algo == EnergyAlgo::Fft || algo == EnergyAlgo::CrossSpectrum) &&
-                             (g.in_size[0] == 1 || x.numel() * x.element_size() >= kMinSpectrumSumsBytes);
-  if (!from_spectrum) return backend.sample_sums(x, weight);
+  // x's sums out of the spectrum's pass over x (x_spectrum's channel sums) where it pays.
+  if (!sums_from_spectrum(algo, g, x.numel() * x.element_size())) return backend.sample_sums(x, weight);
   SampleSumTensors sums;
   sums.x_red = at::empty({g.batch, g.in_channels, 1}, x.options().dtype(at::kDouble));
   sums.w_red = backend.weight_sums(weight);
@@ -135,12 +109,8 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
   }
   in.sums = training && !g.has_padding() ? training_sample_sums(backend, energy_algo, x_in, weight_c, g)
                                           : sample_sums(backend, x_in, weight_c, g);
-  // The box sums' contraction has Cig * taps terms per (sample, channel): as one batched
-  // GEMM here where the finalize's loops would take long (pad2: 202 us of its CUDA kernel,
-  // 06:17 UTC), in the finalize where the GEMM's launches would (kMaxFinalizeTerms).
-  if (g.has_padding() && g.batch * g.in_group_channels() * g.taps() > kMaxFinalizeTerms) {
-    in.sample_sums = sample_conv_sums(in.sums, g);
-  }
+  // The box sums' contraction: as one batched GEMM here, or in the finalize (dispatch.h).
+  if (box_sums_by_gemm(g)) in.sample_sums = sample_conv_sums(in.sums, g);
   if (!training) return;
   const at::Tensor x = x_in.to(energy_dtype);  // same layout
   const at::Tensor weight = contiguous_as(weight_in, energy_dtype);
@@ -195,7 +165,7 @@ at::Tensor ct_bn_pool_forward(const Backend& backend, const at::Tensor& x,
   FinalizeInputs in;
   // The BN inputs first: their copies (another dtype, non-contiguous) must not run
   // between the sums and the finalize, which reads them before its pdl_wait on CUDA
-  // (csrc/cuda/pdl.cuh).
+  // (csrc/common/cuda/pdl.cuh).
   set_bn_inputs(bias, scale, bn_weight, bn_bias, running_mean, running_var, momentum, eps,
                 finalize_dtype, in);
   reduce_input(backend, x, weight, g, training, algo, in);

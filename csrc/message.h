@@ -1,8 +1,8 @@
 #pragma once
 // Numbers in error messages are formatted here, never streamed: streaming an
-// integer through std::ostream inside this library crashed on a supported setup
-// (torch 2.11 on the H200 image; the extension's own num_put instantiation
-// disagreed with the libstdc++ loaded at run time), so every TORCH_CHECK in
+// integer through std::ostream inside this library can crash on a supported setup
+// (torch 2.11 on the H200 image: the extension's own num_put instantiation
+// disagrees with the libstdc++ loaded at run time), so every TORCH_CHECK in
 // csrc/ passes strings only.
 #include <ATen/ATen.h>
 

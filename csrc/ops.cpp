@@ -9,6 +9,7 @@
 #include <string>
 
 #include "fused_ops_build_info.h"  // written by setup.py
+#include "testing_hooks.h"
 
 extern "C" {
 // Importing fused_ops._C loads the library, whose static initializers register
@@ -23,6 +24,8 @@ namespace fused_ops {
 namespace {
 
 std::string build_info() { return FUSED_OPS_BUILD_INFO; }
+std::string set_route_op(std::string knob, std::string route) { return set_route(knob, route); }
+int64_t set_limit_op(std::string name, int64_t value) { return set_limit(name, value); }
 
 }  // namespace
 
@@ -55,6 +58,9 @@ TORCH_LIBRARY(fused_ops, m) {
       "ct_bn_pool_apply.no_stats(Tensor sample_sums, Tensor stats, int spatial, Tensor? bias, "
       "float scale, Tensor? bn_weight, Tensor? bn_bias, float eps, ScalarType dtype) -> Tensor");
   m.def("build_info() -> str", &build_info);
+  // The testing hook behind fused_ops.testing (testing_hooks.h): not for production use.
+  m.def("_set_route(str knob, str route) -> str", &set_route_op);
+  m.def("_set_limit(str name, int value) -> int", &set_limit_op);
 }
 
 namespace {
@@ -62,7 +68,7 @@ namespace {
 // ct_bn_pool's ADInplaceOrView kernel: bumps the running stats' version
 // counters when the call wrote them (training mode; not eval, which only reads
 // them, nor a rejected call). In C++ because it runs on every call, also under
-// no_grad: a Python kernel here doubled the host time of a small eval call.
+// no_grad: a Python kernel here would be a large share of a small eval call's host time.
 void ct_bn_pool_bump_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                               torch::jit::Stack* stack) {
   // Positions in the schema above; read before the call replaces the arguments.

@@ -2,7 +2,7 @@
 #include <ATen/ATen.h>
 
 #include "ct_bn_pool.h"
-#include "geometry.h"
+#include "common/geometry.h"
 
 namespace fused_ops {
 

@@ -9,8 +9,34 @@ import json
 
 import torch
 
-from . import _C  # noqa: F401  (loads the kernels; registers torch.ops.fused_ops)
-from . import _fake  # noqa: F401  (fake kernel for torch.compile / export)
+_REBUILD = ("rebuild it against the torch you run: `python -m pip install --no-build-isolation "
+            "--force-reinstall --no-deps .` from the fused_ops source tree (README, Install)")
+
+try:
+    from . import _C  # noqa: F401  (loads the kernels; registers torch.ops.fused_ops)
+except ModuleNotFoundError as e:  # a source tree that was never built
+    raise ImportError(
+        f"fused_ops: {__path__[0]} has no compiled extension (fused_ops._C). Install it with "
+        "`python -m pip install --no-build-isolation -e .` from the source tree, or run from outside "
+        "the source tree so that the installed fused_ops is imported (README, Install)."
+    ) from e
+except ImportError as e:  # an undefined symbol: built against another torch, most likely
+    raise ImportError(
+        f"fused_ops: the compiled extension fused_ops._C does not load under torch {torch.__version__} "
+        f"({e}). It is built against one torch version and loads only under that one; {_REBUILD}."
+    ) from e
+
+
+def _check_built_torch() -> None:
+    built = json.loads(torch.ops.fused_ops.build_info())["torch"]
+    if built != torch.__version__:
+        raise ImportError(f"fused_ops: the compiled extension was built against torch {built}, "
+                          f"but torch {torch.__version__} is imported; {_REBUILD}.")
+
+
+_check_built_torch()
+
+from . import _fake  # noqa: E402,F401  (fake kernel for torch.compile / export)
 from . import _autograd  # noqa: F401  (ct_bn_pool's backward; docs/math.md §6)
 from .functional import ct_bn_pool
 from .fusion import fuse

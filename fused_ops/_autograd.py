@@ -86,9 +86,9 @@ class _CtBnPoolBackward(torch.autograd.Function):
             # Eval reads the running statistics and never writes them, so the op is given
             # copies, which are saved: the backward uses the values the forward normalized
             # with whatever happens to the buffers in between, and torch.compile sees no
-            # mutation of the buffers. Giving the op the buffers themselves made inductor
-            # (torch 2.14) save the reinplaced buffer for the backward and reuse its memory
-            # for a gradient there, overwriting running_mean.
+            # mutation of the buffers. Given the buffers themselves, inductor (torch 2.14)
+            # saves the reinplaced buffer for the backward and reuses its memory for a
+            # gradient there, overwriting running_mean.
             eval_stats = tuple(None if stat is None else stat.clone()  # None: the op refuses
                                for stat in (call["running_mean"], call["running_var"]))
             args = (*args[:_RUNNING_MEAN], *eval_stats, *args[_RUNNING_VAR + 1:])

@@ -65,36 +65,13 @@ def ct_bn_pool(
         eps: added to the variance; must be >= 0.
         stride, padding, output_padding, dilation: ConvTranspose3d options, an int or 3 ints.
         groups: ConvTranspose3d groups.
-        algo: how training mode gets the per-channel variance (``docs/math.md`` §3):
-            ``"auto"`` (default: on CUDA, with a stride and padding 0, ``"cross_spectrum"``,
-            or ``"correlation"`` where every stride phase has one tap; otherwise ``"direct"``
-            where the convolution is under 1e8 multiply-adds (2e8 with padding at stride 1),
-            then with padding ``"border"``
-            from 1e11 multiply-adds where the crop keeps half of the grid and its terms'
-            weights stay under 64 MiB, else
-            ``"sliced_conv"``; without padding ``"fft"`` where it applies
-            (``"cross_spectrum"`` there where its work is the smaller and reaches 4e8
-            multiply-adds), else ``"sliced_conv"``;
-            on the CPU ``"correlation"`` where it costs under a third of the convolution,
-            else ``"sliced_conv"``; ``docs/performance.md`` says why), ``"fft"`` (CUDA, float32, float16 or bfloat16,
-            padding 0, any stride, dilation and output_padding: Parseval on the spectra of x
-            and the weight, in float32, never forming the conv output), ``"direct"`` (our
-            kernel, computes the conv output in registers and never stores it; with padding at
-            stride and dilation 1 on sm_90, on the float64 tensor cores) or
-            ``"sliced_conv"`` (ATen's convolution, TF32 off, over slices of the batch of at
-            most 64 MiB of output) or ``"correlation"`` (any device and dtype, padding 0:
-            x's channel cross-correlation at the few lags a strided kernel's phases span,
-            in float64; cheap where kernel / stride is small, ``docs/math.md`` §3.4) or
-            ``"cross_spectrum"`` (any device and dtype, padding 0: the same lags from x's
-            per-frequency channel cross-spectrum, contracted with the weight on a grid of
-            ``2k - 1`` per dim; its cost does not grow with C_out or the number of lags,
-            ``docs/math.md`` §3.5) or ``"border"`` (any device and dtype, padding > 0: the
-            padding-0 grid's energy minus that of the planes the padding cuts off, each term
-            a padding-0 problem on x's edge planes by the path ``"auto"`` takes for it; its
-            rounding grows as the crop's share of the grid shrinks, ``docs/math.md`` §3.6).
-            A forced ``"fft"``, ``"correlation"``, ``"cross_spectrum"`` or ``"border"`` where
-            it does not apply raises ValueError.
-            Eval mode needs no convolution and ignores it.
+        algo: how training mode gets the per-channel variance, never forming the conv
+            output (``docs/math.md`` §3): ``"auto"`` (default) picks per device and problem by
+            the rule in ``docs/dispatch.md``; or one of ``"direct"``, ``"sliced_conv"``,
+            ``"fft"`` (CUDA only), ``"correlation"``, ``"cross_spectrum"``, ``"border"``
+            (the README's algorithm table says what each computes and where it applies). Every
+            algorithm is exact to the input dtype's rounding. A forced algorithm where it does
+            not apply raises ValueError. Eval mode needs no convolution and ignores it.
         process_group: a ``torch.distributed`` ProcessGroup, or None (the default: this
             process's batch only). With a group and ``training=True`` the batch statistics
             are those of the union of the batches of all the group's processes, as
