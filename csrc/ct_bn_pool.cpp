@@ -162,6 +162,8 @@ at::Tensor ct_bn_pool_forward(const Backend& backend, const at::Tensor& x,
       validate_inputs(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, training,
                       eps, stride, padding, output_padding, dilation, groups);
   const at::ScalarType finalize_dtype = compute_dtype(x.scalar_type());
+  // An empty batch: an empty output, the running statistics untouched (as nn.BatchNorm3d).
+  if (g.batch == 0) return at::empty({0, g.out_channels, 1, 1, 1}, x.options());
   FinalizeInputs in;
   // The BN inputs first: their copies (another dtype, non-contiguous) must not run
   // between the sums and the finalize, which reads them before its pdl_wait on CUDA

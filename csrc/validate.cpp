@@ -91,10 +91,10 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.dim() == 5, "ct_bn_pool: x must be a 5-D tensor [B, C_in, D, H, W], got ",
               to_str(x.dim()), "-D with shape ", to_str(x.sizes()));
   check_conv_dtype(x.scalar_type(), "x");
-  // A process's share of a synchronized batch may hold no samples.
-  const bool empty_ok = one_of_many && x.size(0) == 0 &&
-                        x.size(1) * x.size(2) * x.size(3) * x.size(4) > 0;
-  TORCH_CHECK(x.numel() > 0 || empty_ok, "ct_bn_pool: x must be non-empty, got shape ",
+  // An empty batch is a batch (as nn.BatchNorm3d takes it): the output is empty, nothing is
+  // updated; a process's share of a synchronized batch may hold no samples either.
+  const bool empty_batch = x.size(0) == 0 && x.size(1) * x.size(2) * x.size(3) * x.size(4) > 0;
+  TORCH_CHECK(x.numel() > 0 || empty_batch, "ct_bn_pool: x must have non-empty channel and spatial dims, got shape ",
               to_str(x.sizes()));
   TORCH_CHECK(weight.dim() == 5,
               "ct_bn_pool: weight must be a 5-D ConvTranspose3d weight [C_in, C_out/groups, kD, kH, "
@@ -157,10 +157,15 @@ ConvGeometry validate_inputs(const at::Tensor& x, const at::Tensor& weight,
                     "ct_bn_pool: training=False normalizes with running statistics, so "
                     "running_mean and running_var are required (pass training=True for batch "
                     "statistics)");
-  // As F.batch_norm (torch 2.11 refuses eps <= 0 in both modes, 2.14 in training).
-  TORCH_CHECK_VALUE(eps > 0, "ct_bn_pool: eps must be positive, got ", to_str(eps));
+  // As F.batch_norm: eps > 0 where it normalizes by batch statistics, >= 0 by running ones.
+  if (training) {
+    TORCH_CHECK_VALUE(eps > 0, "ct_bn_pool: eps must be positive in training mode, got ", to_str(eps));
+  } else {
+    TORCH_CHECK_VALUE(eps >= 0, "ct_bn_pool: eps must be non-negative, got ", to_str(eps));
+  }
+  // As F.batch_norm: one value per channel has no variance; an empty batch is no statistic.
   if (training && !one_of_many) {
-    TORCH_CHECK_VALUE(g.batch * g.out_spatial() > 1,
+    TORCH_CHECK_VALUE(g.batch * g.out_spatial() != 1,
                       "ct_bn_pool: Expected more than 1 value per channel when training, got ",
                       to_str(g.batch * g.out_spatial()), " (batch ", to_str(g.batch),
                       " x output size ", to_str(at::IntArrayRef(g.out_size, 3)), ")");

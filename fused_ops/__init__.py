@@ -38,6 +38,7 @@ _check_built_torch()
 
 from . import _fake  # noqa: E402,F401  (fake kernel for torch.compile / export)
 from . import _autograd  # noqa: F401  (ct_bn_pool's backward; docs/math.md §6)
+from . import _autocast  # noqa: F401  (the ops under torch.autocast)
 from .functional import ct_bn_pool
 from .fusion import fuse
 from .modules import ConvTransposeBNPool3d

@@ -7,6 +7,15 @@
 
 namespace fused_ops {
 
+// isfinite on either side: the CUDA math API's in device code, the standard library's on the host.
+FO_HD bool is_finite(double v) {
+#if defined(__CUDA_ARCH__)
+  return isfinite(v);
+#else
+  return std::isfinite(v);
+#endif
+}
+
 // Everything the BN finalize step reads and writes, as raw pointers so the same
 // per-channel routine runs in a CPU loop and in a CUDA block.
 template <typename scalar_t>
@@ -120,7 +129,9 @@ template <typename scalar_t>
 FO_HD void write_pooled(const FinalizeArgs<scalar_t>& a, const ChannelNorm& n, int64_t b, int64_t c,
                         double sample_sum) {
   const double z_mean = a.scale * sample_sum / static_cast<double>(a.spatial);
-  a.out[b * a.channels + c] = static_cast<scalar_t>((z_mean - n.shift) * n.inv_std * n.gamma + n.beta);
+  // As in finalize_channel: a non-finite sample mean is NaN, as PyTorch's pool of it.
+  const double out = is_finite(z_mean) ? (z_mean - n.shift) * n.inv_std * n.gamma + n.beta : NAN;
+  a.out[b * a.channels + c] = static_cast<scalar_t>(out);
 }
 
 // Finalizes channel c (docs/math.md §4). Work over the batch is split as
@@ -154,17 +165,21 @@ FO_HD void finalize_channel(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t 
     }
     return;
   }
-  const double count = stats[0], mu = stats[1];
-  const double var_z = a.scale * a.scale * stats[2] / count;  // biased: what normalization uses
+  const double count = stats[0];
+  double z_mu = a.scale * stats[1];
+  double var_z = a.scale * a.scale * stats[2] / count;  // biased: what normalization uses
+  // A non-finite input or scale makes the conv output hold infinities of both signs, whose
+  // mean and variance are NaN in PyTorch's reductions; the sums' algebra would give an infinity.
+  if (!is_finite(z_mu) || !is_finite(var_z)) z_mu = var_z = NAN;
   if (first == 0 && a.running_mean) {
     const double m = a.momentum;
     const double bias = a.bias ? static_cast<double>(a.bias[c]) : 0.0;
-    a.running_mean[c] = static_cast<scalar_t>((1 - m) * a.running_mean[c] + m * a.scale * (mu + bias));
+    a.running_mean[c] = static_cast<scalar_t>((1 - m) * a.running_mean[c] + m * (z_mu + a.scale * bias));
     a.running_var[c] =
         static_cast<scalar_t>((1 - m) * a.running_var[c] + m * var_z * count / (count - 1));
   }
   // The bias cancels between a sample's mean and the batch mean.
-  const ChannelNorm n = channel_norm(a, c, a.scale * mu, var_z);
+  const ChannelNorm n = channel_norm(a, c, z_mu, var_z);
   for (int64_t b = first; b < a.batch; b += step) write_pooled(a, n, b, c, sample_sum(b));
 }
 

@@ -130,7 +130,8 @@ __device__ void write_channel(const FinalizeArgs<scalar_t>& a, int64_t c, const 
     const int64_t b = b0 + threadIdx.x / kLanes;
     const double sum = butterfly_sum<1, kLanes / 2>(b < a.batch ? contract_lane<kLanes>(cs, b, wterm, g) : 0.0);
     if (g == 0 && b < a.batch) {
-      a.out[b * a.channels + c] = static_cast<scalar_t>(sum * affine.alpha + affine.delta);
+      const double v = is_finite(sum * a.scale) ? sum * affine.alpha + affine.delta : NAN;  // as write_pooled
+      a.out[b * a.channels + c] = static_cast<scalar_t>(v);
     }
   }
 }
