@@ -40,10 +40,10 @@ from . import _fake  # noqa: E402,F401  (fake kernel for torch.compile / export)
 from . import _autograd  # noqa: F401  (ct_bn_pool's backward; docs/math.md §6)
 from . import _autocast  # noqa: F401  (the ops under torch.autocast)
 from .functional import ct_bn_pool
-from .fusion import fuse
+from .fusion import FuseReport, fuse
 from .modules import ConvTransposeBNPool3d
 
-__all__ = ["ct_bn_pool", "ConvTransposeBNPool3d", "fuse", "build_info"]
+__all__ = ["ct_bn_pool", "ConvTransposeBNPool3d", "fuse", "FuseReport", "build_info"]
 __version__ = "0.1.0"
 
 

@@ -69,8 +69,9 @@ def ct_bn_pool(
             output (``docs/math.md`` §3): ``"auto"`` (default) picks per device and problem by
             the rule in ``docs/dispatch.md``; or one of ``"direct"``, ``"sliced_conv"``,
             ``"fft"`` (CUDA only), ``"correlation"``, ``"cross_spectrum"``, ``"border"``
-            (the README's algorithm table says what each computes and where it applies). Every
-            algorithm is exact to the input dtype's rounding. A forced algorithm where it does
+            (the README's algorithm table says what each computes and where it applies). Each
+            is as accurate as the input dtype's rounding allows; ``docs/math.md`` §5 and §3.6
+            bound the error for inputs far from zero mean. A forced algorithm where it does
             not apply raises ValueError. Eval mode needs no convolution and ignores it.
         process_group: a ``torch.distributed`` ProcessGroup, or None (the default: this
             process's batch only). With a group and ``training=True`` the batch statistics

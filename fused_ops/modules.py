@@ -4,7 +4,7 @@ import numbers
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import fx, nn
 
 from .distributed import check_process_group
 from .functional import ct_bn_pool
@@ -18,7 +18,16 @@ class ConvTransposeBNPool3d(nn.Module):
     so ``state_dict`` loads both ways, and follows BatchNorm3d's semantics: ``.train()``
     uses batch statistics and updates the running ones, ``.eval()`` uses the running
     ones, ``num_batches_tracked`` counts, ``momentum=None`` is a cumulative average,
-    ``track_running_stats=False`` always uses batch statistics.
+    ``track_running_stats=False`` always uses batch statistics. As in the unfused pattern,
+    the mode is ``batch_norm``'s own: freezing it alone (``module.batch_norm.eval()``, or
+    the usual loop over a model's ``nn.BatchNorm3d`` modules) makes this module normalize
+    with the running statistics and leave them alone.
+
+    torch.fx (``fused_ops.fuse``, ``torch.fx.symbolic_trace``) records a call of this module
+    as one ``call_module`` node, as for PyTorch's own modules: nothing is run or modified by
+    the trace and the mode stays the batch norm's at each call. Traced by itself (the
+    module as the trace's root), the graph calls the op with its submodules, read at each
+    call.
 
     ``algo`` chooses how training mode gets the variance (see :func:`fused_ops.ct_bn_pool`).
 
@@ -51,7 +60,8 @@ class ConvTransposeBNPool3d(nn.Module):
     def from_modules(cls, conv_transpose: nn.ConvTranspose3d, scale_factor: float,
                      batch_norm: nn.Module, algo: str = "auto",
                      process_group=None) -> "ConvTransposeBNPool3d":
-        """Wraps existing modules; parameters and buffers are shared, not copied.
+        """Wraps existing modules; parameters and buffers are shared, not copied. The new
+        module's ``training`` flag is ``batch_norm``'s (whose mode decides the computation).
 
         ``batch_norm`` is an ``nn.BatchNorm3d`` or an ``nn.SyncBatchNorm``; with the latter
         training statistics are merged over its process group unless ``process_group``
@@ -60,6 +70,8 @@ class ConvTransposeBNPool3d(nn.Module):
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(conv_transpose, scale_factor, batch_norm, algo, process_group)
+        # The modules' mode: the batch norm's decides the computation (see forward).
+        self.training = batch_norm.training
         return self
 
     def _setup(self, conv, scale_factor, bn, algo, process_group):
@@ -103,10 +115,63 @@ class ConvTransposeBNPool3d(nn.Module):
         return batch_norm_sync_group(self.batch_norm, self.process_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        conv = self.conv_transpose
-        return ct_bn_pool_by_module(x, conv.weight, conv.bias, self.scale_factor,
-                                    self.batch_norm, self.training, self.process_group,
-                                    algo=self.algo, **conv_transpose_options(conv))
+        if isinstance(x, fx.Proxy):  # torch.fx is tracing a model that holds this module
+            return _traced_call(self, (x,), self._traced_as_root)
+        return _ct_bn_pool_modules(x, self.conv_transpose, self.scale_factor, self.batch_norm,
+                                   self.algo, self.process_group)
+
+    def _traced_as_root(self, x):
+        """The graph of this module traced by itself: its call, with its submodules read
+        at each call (the batch norm's mode included), as its forward reads them."""
+        if self.process_group is not None:
+            raise RuntimeError(
+                "ConvTransposeBNPool3d: torch.fx cannot trace this module by itself while it "
+                "has a process_group (a graph cannot hold one); trace a model that holds it, "
+                "where it is one call_module node")
+        tracer = x.tracer
+        conv = tracer.create_proxy("get_attr", "conv_transpose", (), {})
+        bn = tracer.create_proxy("get_attr", "batch_norm", (), {})
+        return tracer.create_proxy("call_function", _ct_bn_pool_modules,
+                                   (x, conv, self.scale_factor, bn, self.algo), {})
+
+
+def _ct_bn_pool_modules(x, conv, scale, bn, algo="auto", process_group=None):
+    """ConvTransposeBNPool3d's computation from its modules, in the batch norm's own mode
+    (``bn.training``), as the unfused modules compute it: BatchNorm3d's flag decides, so that
+    ``bn.eval()`` alone (freezing the batch norm) takes effect.
+
+    The graph of a ConvTransposeBNPool3d traced by itself calls this function; traced again
+    (``fuse`` of that graph, or ``torch.load`` of it, which re-traces the saved code), the
+    call is recorded as it is, not traced through."""
+    if isinstance(x, fx.Proxy):
+        return x.tracer.create_proxy("call_function", _ct_bn_pool_modules,
+                                     (x, conv, scale, bn, algo), {})
+    return ct_bn_pool_by_module(x, conv.weight, conv.bias, scale, bn, bn.training,
+                                process_group, algo=algo, **conv_transpose_options(conv))
+
+
+def _traced_call(module, args, as_root=None):
+    """What ``module``'s forward returns when torch.fx traces a call of it (an ``fx.Proxy``
+    among ``args``): a ``call_module`` node, as for a leaf module, whatever the tracer's
+    leaf rule. Tracing through the forward would bake the mode of the moment into the graph
+    and run the running statistics' bookkeeping on proxies (``num_batches_tracked`` counted
+    by the trace itself). ``as_root(*args)``: the graph where ``module`` is the traced
+    module itself (no path to call); without it that is refused."""
+    tracer = next(a for a in args if isinstance(a, fx.Proxy)).tracer
+    try:
+        path = tracer.path_of_module(module)
+    except NameError:
+        raise RuntimeError(
+            f"{type(module).__name__}: torch.fx traced a call of this module, which is not a "
+            "submodule of the module being traced; register it as a submodule (an attribute "
+            "of an nn.Module) so that the graph can call it") from None
+    if path:
+        return tracer.create_proxy("call_module", path, tuple(args), {})
+    if as_root is None:
+        raise RuntimeError(
+            f"{type(module).__name__}: torch.fx cannot trace this module by itself (it is a "
+            "part of a model; its graph is one call of it); trace the model that holds it")
+    return as_root(*args)
 
 
 def conv_transpose_options(conv: nn.ConvTranspose3d) -> dict:

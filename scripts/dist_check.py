@@ -1,4 +1,4 @@
-"""Issue #7: synchronized training statistics on GPUs, against nn.SyncBatchNorm (NCCL).
+"""Synchronized training statistics on GPUs over NCCL against nn.SyncBatchNorm: accuracy and time.
 
 Launch one process per GPU with torchrun (on a machine without network, --standalone):
 
@@ -24,8 +24,8 @@ float32) and unequal batches (B=16 on even ranks, 7 on odd ones). For each:
 
 Rank 0 writes DIR/dist_check.json and prints a table. NVLink multicast (NVLS) stays off:
 NCCL_NVLS_ENABLE=0 is set before NCCL starts unless the environment sets it. The script
-imports the installed fused_ops (``pip install --no-build-isolation .`` first); the CPU dry
-run of a source tree whose fused_ops/ holds the extension works with PYTHONPATH=. as well.
+imports the installed fused_ops: the editable install of the source tree
+(``pip install --no-build-isolation -e .``), or PYTHONPATH=. in a tree built in place.
 """
 import argparse
 import copy

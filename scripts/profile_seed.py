@@ -3,20 +3,20 @@
     python scripts/profile_seed.py [eval|train] [contiguous|channels_last_3d] [algo] [host|wall|ranges]
         [--problem NAME] [--no-overlap]
 
-NAME is one of bench/bench_ct_bn_pool.py's CUDA problems (default: seed). --no-overlap sets
-FUSED_OPS_OVERLAP=off (csrc/cuda/pdl.cuh): the kernels that are otherwise launched to overlap
-the one before run one after another, so that each kernel's time excludes its wait for the
-previous one (with the overlap, the table's times include it, and their sum exceeds the call).
+NAME is one of bench/bench_ct_bn_pool.py's CUDA problems (default: seed). --no-overlap runs
+under fused_ops.testing.route(overlap="off") (csrc/common/cuda/pdl.cuh): the kernels that are
+otherwise launched to overlap the one before run one after another, so that each kernel's time
+excludes its wait for the previous one (with the overlap, the table's times include it, and
+their sum exceeds the call).
 
 With `host`, the table is the host side instead: ATen ops by self CPU time, how many
 each call issues, and the wall time of issuing one call (no synchronization), with the GPU
 busy and with it idle. With
 `ranges`, the GPU time of the kernels under each of the op's own profiler ranges (those
-csrc/border_energy.cpp names: the full grid, the plane problems, the lines and corners). With
+csrc/border/border.cpp names: the full grid, the plane problems, the lines and corners). With
 `wall`, only the wall time per call of 50 calls issued back to back (what an eager loop
 of this op sees: the larger of its host and GPU time), no profiler.
 """
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,14 +25,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fused_ops
+import fused_ops.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from bench_ct_bn_pool import CUDA_PROBLEMS, conv_options  # noqa: E402
 
 argv = sys.argv[:]
+overlap = "auto"
 if "--no-overlap" in argv:
     argv.remove("--no-overlap")
-    os.environ["FUSED_OPS_OVERLAP"] = "off"
+    overlap = "off"
 problem = "seed"
 if "--problem" in argv:
     at = argv.index("--problem")
@@ -53,7 +55,7 @@ m = fused_ops.ConvTransposeBNPool3d(c_in, c_out, kernel, 2.0, **conv_options(pro
 xs = [torch.randn(batch, c_in, *size, device="cuda").contiguous(memory_format=memory_format)
       for _ in range(6)]
 calls = 30 if mode == "eval" else 10
-with torch.no_grad():
+with torch.no_grad(), fused_ops.testing.route(overlap=overlap):
     for x in xs:
         m(x)
     torch.cuda.synchronize()
@@ -70,7 +72,7 @@ with torch.no_grad():
         sys.exit(0)
     if host:
         # Issue time with the GPU kept busy (issuing never waits on it) and with it idle (after
-        # a synchronize): the two disagreed on 2026-12-01 (docs/performance.md, host time).
+        # a synchronize): the two can disagree (docs/performance.md, host time).
         for busy in (True, False):
             issue_us = []
             for i in range(calls):

@@ -1,9 +1,11 @@
-"""Small calls that run every CUDA kernel once, for compute-sanitizer (scripts/gpu_check.sh)."""
-import os
+"""Small calls that run every CUDA kernel once, for compute-sanitizer (scripts/gpu_check.sh).
 
+Kernels that `auto` does not pick for these shapes are reached with fused_ops.testing.route.
+"""
 import torch
 
 import fused_ops
+import fused_ops.testing
 
 
 def run(batch, ci, co, size, kernel, training, algo, dtype=torch.float32, bn_dtype=None,
@@ -29,16 +31,15 @@ run(1, 8, 4, (16, 16, 16), 2, True, "direct", torch.float64, dilation=(1, 1, 2))
 # tensor cores' kernel also with tiles of part of a row, several tiles per block and its weights
 # kept over them, one MMA tile per block; box_sums.cu in float32, float64 and bfloat16 x.
 for route in ("mma", "simt"):
-    os.environ["FUSED_OPS_DIRECT"] = route
+    with fused_ops.testing.route(direct=route):
+        for dtype in (torch.float32, torch.float64):
+            run(2, 40, 20, (9, 9, 11), 5, True, "direct", dtype, padding=(5, 2, 0))
+            run(3, 6, 9, (4, 13, 7), (2, 3, 2), True, "direct", dtype, groups=3, padding=(0, 1, 1))
+with fused_ops.testing.route(direct="mma"):
     for dtype in (torch.float32, torch.float64):
-        run(2, 40, 20, (9, 9, 11), 5, True, "direct", dtype, padding=(5, 2, 0))
-        run(3, 6, 9, (4, 13, 7), (2, 3, 2), True, "direct", dtype, groups=3, padding=(0, 1, 1))
-os.environ["FUSED_OPS_DIRECT"] = "mma"
-for dtype in (torch.float32, torch.float64):
-    run(2, 3, 5, (2, 3, 300), (2, 2, 3), True, "direct", dtype, padding=(0, 1, 1))
-    run(3, 5, 7, (9, 11, 13), (2, 3, 4), True, "direct", dtype)
-    run(2, 4, 6, (3, 4, 5), 3, True, "direct", dtype, padding=1)
-os.environ["FUSED_OPS_DIRECT"] = "auto"
+        run(2, 3, 5, (2, 3, 300), (2, 2, 3), True, "direct", dtype, padding=(0, 1, 1))
+        run(3, 5, 7, (9, 11, 13), (2, 3, 4), True, "direct", dtype)
+        run(2, 4, 6, (3, 4, 5), 3, True, "direct", dtype, padding=1)
 run(2, 5, 6, (4, 6, 7), 3, False, "auto", torch.bfloat16, padding=1)
 # Input channels over 16 sets of threads and (kd, kh) pairs over 2 (132 SMs), rows of odd length.
 for dtype in (torch.float32, torch.float64):
@@ -65,10 +66,10 @@ run(30, 8, 4, (1, 256, 256), (1, 3, 3), True, "cross_spectrum",
     view=lambda x: x.contiguous(memory_format=torch.channels_last_3d))
 run(3, 20, 12, (1, 9, 12), (1, 3, 3), True, "fft")
 # The border's terms (padding > 0): planes, lines and corners as padding-0 problems
-# (line_operands.cu's kernels). Not here: lines too long for line_operands.cu's staging
-# (tests/test_border_energy.py has one): the float64 case that had them (2026-12-01 20:15 UTC)
-# took sliced_conv for its full grid, and racecheck flagged ATen's own reduce_kernel there
-# (its y.mean over rows of 155k values; pytorch/pytorch#162995).
+# (the border's line-operand kernels). Not here: lines too long for their staging
+# (tests/test_border.py has one): the float64 case that had them took sliced_conv for its full
+# grid, and racecheck flags ATen's own reduce_kernel there (its y.mean over rows of 155k
+# values; pytorch/pytorch#162995).
 run(2, 4, 6, (4, 5, 3), 3, True, "border", stride=2, padding=1, output_padding=1)
 run(2, 4, 6, (4, 5, 3), (3, 2, 3), True, "border", stride=(2, 3, 1), dilation=(1, 2, 2),
     padding=(2, 3, 1), groups=2)
@@ -96,18 +97,16 @@ run(2, 6, 9, (4, 3, 5), (3, 2, 4), True, "cross_spectrum", stride=(2, 1, 3), gro
 # groups of 20 channels. cross_spectrum.cu's float32 kernel, forced where that one runs.
 run(19, 34, 5, (3, 4, 5), (3, 2, 3), True, "cross_spectrum")
 run(10, 40, 6, (4, 3, 5), (2, 3, 7), True, "cross_spectrum", groups=2)
-os.environ["FUSED_OPS_S_STAGE"] = "simt"
-run(2, 40, 6, (3, 4, 5), (2, 2, 10), True, "cross_spectrum")
-run(32, 32, 5, (3, 4, 5), (3, 2, 10), True, "cross_spectrum")
-del os.environ["FUSED_OPS_S_STAGE"]
+with fused_ops.testing.route(s_stage="simt"):
+    run(2, 40, 6, (3, 4, 5), (2, 2, 10), True, "cross_spectrum")
+    run(32, 32, 5, (3, 4, 5), (3, 2, 10), True, "cross_spectrum")
 # quad_form_mma.cu (sm_90; the cross_spectrum cases above run it): R = 72 rows with 200
 # columns (partial row and column tiles, a chunk past R), and 37 columns (odd: 8-byte copies
 # of W); cuBLAS's product and quad_form.cu, forced where that one runs.
 run(2, 36, 200, (3, 4, 5), 2, True, "cross_spectrum")
 run(2, 5, 37, (3, 4, 5), (2, 3, 2), True, "cross_spectrum")
-os.environ["FUSED_OPS_CONTRACTION"] = "gemm"
-run(2, 36, 200, (3, 4, 5), 2, True, "cross_spectrum")
-del os.environ["FUSED_OPS_CONTRACTION"]
+with fused_ops.testing.route(contraction="gemm"):
+    run(2, 36, 200, (3, 4, 5), 2, True, "cross_spectrum")
 m = fused_ops.ConvTransposeBNPool3d(4, 6, 3, 2.0, stride=2, track_running_stats=False).cuda()
 with torch.no_grad():
     assert torch.isfinite(m(torch.randn(2, 4, 3, 4, 5, device="cuda"))).all()
@@ -153,6 +152,11 @@ run(3, 8, 6, (3, 4, 5), 2, False, "auto", view=lambda x: torch.cat([x, x])[::2])
 run(3, 8, 6, (3, 4, 5), 2, False, "auto", view=lambda x: x[..., ::2])  # copied
 for algo in ("fft", "direct", "sliced_conv"):
     run(3, 8, 6, (3, 4, 5), 2, True, algo, view=channels_last)
+# sliced_conv's loop over several slices of the batch, and the padded sums' GEMM past the
+# finalize's term limit, on small problems
+with fused_ops.testing.limit(slice_bytes=1, finalize_terms=1):
+    run(3, 5, 6, (3, 4, 5), 3, True, "sliced_conv", padding=1)
+    run(3, 5, 6, (3, 4, 5), 3, False, "auto", padding=1)
 for dtype in (torch.float16, torch.bfloat16):  # 8 channels a 16-byte load, and 2-byte loads
     for ci in (16, 6):
         run(2, ci, 5, (4, 6, 8), 2, False, "auto", dtype, torch.float32, view=channels_last)

@@ -21,12 +21,9 @@ import pytest
 import torch
 
 import fused_ops
-from conftest import Problem, assert_gradients_match, make_input, make_models, relerr
+from conftest import Problem, assert_gradients_match, make_input, make_models, relerr, two_gpus
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
-                              reason="needs 2 CUDA devices (tensors on cuda:1 while cuda:0 is "
-                                     "current)")
+pytestmark = pytest.mark.cuda
 
 SLEEP_MS = 200  # much longer than the host time of one call after a warm-up
 
@@ -128,7 +125,6 @@ def warm_up(fused, problem, device):
     torch.cuda.synchronize(device)
 
 
-@cuda
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_side_stream_on_cuda0(case):
     problem, training, algo = case
@@ -142,7 +138,6 @@ def test_side_stream_on_cuda0(case):
     check_against_reference(ref, fused, x, out, training)
 
 
-@cuda
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 def test_side_stream_functional_with_optional_arguments_none(training):
     """bias, bn_weight/bn_bias None; training without running statistics (batch

@@ -56,7 +56,7 @@ class MethodMul(nn.Module):
         self.pool = nn.AdaptiveAvgPool3d(1)
 
     def forward(self, x):
-        return self.pool(self.bn(self.ct(x).mul(1.5)))
+        return self.pool(self.bn(self.ct(x).mul(-1.5)))
 
 
 class IntermediateUsedElsewhere(MethodMul):
@@ -77,6 +77,72 @@ class TensorScale(MethodMul):
 
     def forward(self, x):
         return self.pool(self.bn(self.ct(x) * self.scale))
+
+
+class ZeroMomentum(nn.Module):
+    """momentum=0.0, a module's and a functional batch norm's: the running statistics stay."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.ConvTranspose3d(3, 4, 2)
+        self.a_bn = randomized(nn.BatchNorm3d(4, momentum=0.0))
+        self.b = nn.ConvTranspose3d(3, 2, (2, 1, 2), stride=2)
+        self.b_bn = BatchNormState(2)
+
+    def forward(self, x):
+        first = F.adaptive_avg_pool3d(self.a_bn(self.a(x) * -0.75), 1)
+        bn = self.b_bn
+        second = F.adaptive_avg_pool3d(F.batch_norm(
+            self.b(x) * 1.25, bn.running_mean, bn.running_var, bn.weight, bn.bias, self.training,
+            0.0, 1e-5), 1)
+        return torch.cat([first, second], dim=1)
+
+
+class Divides(MethodMul):
+    """Division by a number is a scale by its reciprocal."""
+
+    def forward(self, x):
+        return self.pool(self.bn(self.ct(x) / 4.0))
+
+
+class DividesByFunction(MethodMul):
+    def forward(self, x):
+        return self.pool(self.bn(torch.div(self.ct(x), -2.0)))
+
+
+class Negates(MethodMul):
+    def forward(self, x):
+        return self.pool(self.bn(-self.ct(x)))
+
+
+class DividesWithRounding(MethodMul):
+    def forward(self, x):
+        return self.pool(self.bn(torch.div(self.ct(x), 2.0, rounding_mode="floor")))
+
+
+class DividesANumber(MethodMul):
+    def forward(self, x):
+        return self.pool(self.bn(2.0 / self.ct(x)))
+
+
+class Adds(MethodMul):
+    def forward(self, x):
+        return self.pool(self.bn(self.ct(x) + 2.0))
+
+
+class Subtracts(MethodMul):
+    def forward(self, x):
+        return self.pool(self.bn(self.ct(x) - 2.0))
+
+
+class SubtractsFromANumber(MethodMul):
+    def forward(self, x):
+        return self.pool(self.bn(2.0 - self.ct(x)))
+
+
+class Powers(MethodMul):
+    def forward(self, x):
+        return self.pool(self.bn(self.ct(x) ** 2.0))
 
 
 class BatchNormState(nn.Module):
@@ -113,7 +179,7 @@ class FunctionalConv(nn.Module):
         y = F.conv_transpose3d(torch.relu(self.stem(x)), self.up.weight, bias=self.up.bias,
                                stride=(2, 1, 2), padding=1, output_padding=(1, 0, 0),
                                groups=2, dilation=[1, 2, 1])
-        return self.pool(self.norm(1.5 * y)).flatten(1)
+        return self.pool(self.norm(-1.5 * y)).flatten(1)
 
 
 class FunctionalBatchNorm(nn.Module):
@@ -144,7 +210,7 @@ class FullyFunctional(nn.Module):
         self.register_buffer("running_var", torch.empty(4).uniform_(0.5, 2.0))
 
     def forward(self, x):
-        y = F.conv_transpose3d(x, self.weight, self.bias, 1, (0, 1, 0)) * 2.0
+        y = F.conv_transpose3d(x, self.weight, self.bias, 1, (0, 1, 0)) * -2.0
         z = F.batch_norm(y, self.running_mean, self.running_var, weight=self.bn_weight,
                          bias=self.bn_bias, training=self.training, momentum=0.05, eps=1e-4)
         return F.adaptive_avg_pool3d(z, output_size=1)
@@ -161,7 +227,7 @@ class MixedTwice(nn.Module):
         self.b_bn = BatchNormState(5)
 
     def forward(self, x):
-        first = self.a_bn(F.conv_transpose3d(x, self.a.weight, self.a.bias).mul(3))
+        first = self.a_bn(F.conv_transpose3d(x, self.a.weight, self.a.bias).mul(-3))
         second = torch.batch_norm(self.b(x) * 0.7, self.b_bn.weight, self.b_bn.bias,
                                   self.b_bn.running_mean, self.b_bn.running_var,
                                   self.training, 0.1, 1e-5, False)
@@ -196,7 +262,7 @@ class ConstantFlags(nn.Module):
         self.blocks = nn.ModuleList([Block(3, 2), Block(3, 3)])
 
     def forward(self, x):
-        first = F.adaptive_avg_pool3d(F.batch_norm(2.0 * self.a(x), None, None, training=True), 1)
+        first = F.adaptive_avg_pool3d(F.batch_norm(-2.0 * self.a(x), None, None, training=True), 1)
         bn = self.b_bn
         second = F.adaptive_avg_pool3d(F.batch_norm(
             self.b(x) * 3.0, bn.running_mean, bn.running_var, bn.weight, bn.bias, False), 1)
@@ -261,6 +327,13 @@ class EvalWithoutRunningStats(FullyFunctional):
         return F.adaptive_avg_pool3d(F.batch_norm(y, None, None, training=self.training), 1)
 
 
+# The Python numbers each model's chains multiply by.
+SCALES = {AmongOtherLayers: [2.0], TwoOccurrences: [-0.5, 3.0], MethodMul: [-1.5],
+          FunctionalConv: [-1.5], FunctionalBatchNorm: [-0.5], FullyFunctional: [-2.0],
+          MixedTwice: [-3.0, 0.7], ConstantFlags: [-2.0, 3.0, 2.0, 2.0], ZeroMomentum: [-0.75, 1.25],
+          Divides: [0.25], DividesByFunction: [-0.5], Negates: [-1.0]}
+
+
 def fused_chains(gm):
     return [m for m in gm.modules() if isinstance(m, _FusedChain)]
 
@@ -269,13 +342,16 @@ def fused_chains(gm):
 @pytest.mark.parametrize("fused_in", ["train", "eval"])
 @pytest.mark.parametrize("model_cls, chains", [
     (AmongOtherLayers, 1), (TwoOccurrences, 2), (MethodMul, 1), (FunctionalConv, 1),
-    (FunctionalBatchNorm, 1), (FullyFunctional, 1), (MixedTwice, 2), (ConstantFlags, 4)])
+    (FunctionalBatchNorm, 1), (FullyFunctional, 1), (MixedTwice, 2), (ConstantFlags, 4),
+    (ZeroMomentum, 2), (Divides, 1), (DividesByFunction, 1), (Negates, 1)])
 def test_fused_model_matches_the_original(model_cls, chains, fused_in, device):
     torch.manual_seed(0)
     model = model_cls().double().to(device).train(fused_in == "train")
     reference = copy.deepcopy(model)
     fused = fused_ops.fuse(model)
     assert len(fused_chains(fused)) == chains
+    # The scale each chain was fused with, sign included, is the one the model multiplies by.
+    assert sorted(m.scale for m in fused_chains(fused)) == sorted(SCALES[model_cls])
     assert not [n for n in fused.graph.nodes if n.target in (
         F.batch_norm, torch.batch_norm, torch.conv_transpose3d)]
     assert fused.state_dict().keys() == model.state_dict().keys()
@@ -299,7 +375,8 @@ def test_fused_model_matches_the_original(model_cls, chains, fused_in, device):
 @pytest.mark.parametrize("model_cls", [
     IntermediateUsedElsewhere, PoolNotGlobal, TensorScale, FunctionalIntermediateUsedElsewhere,
     FunctionalPoolNotGlobal, FunctionalTensorScale, ComputedWeight, InvertedFlag,
-    FlagFromModeBranch, EvalWithoutRunningStats])
+    FlagFromModeBranch, EvalWithoutRunningStats, DividesANumber, DividesWithRounding, Adds,
+    Subtracts, SubtractsFromANumber, Powers])
 def test_near_misses_are_left_alone(model_cls):
     # Traced in eval mode: what fuse leaves alone keeps fx's trace-time self.training.
     model = model_cls().double().eval()
@@ -312,6 +389,10 @@ def test_near_misses_are_left_alone(model_cls):
         return
     with torch.no_grad():
         assert torch.equal(fused(x), model(x))
+    if isinstance(model, MethodMul):  # a module batch norm: the left-alone graph follows its mode
+        model.train()
+        with torch.no_grad():
+            assert torch.equal(fused(x), model(x))
 
 
 def test_near_miss_with_an_input_weight_is_left_alone():

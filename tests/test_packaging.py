@@ -1,28 +1,65 @@
-"""What users get from the package beyond the op: the sdist, `python -m fused_ops`."""
+"""What users get from the package beyond the op: the sdist's contents, `python -m fused_ops`,
+build_info. Nothing here writes into the source tree: the sdist is built from a copy of it
+in a temporary directory, and nothing is compiled (a CUDA build takes many minutes)."""
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+import pytest
+import torch
+
+import fused_ops
+from conftest import REPO
 
 
+def source_files():
+    """The tree's files as git sees them (tracked, and untracked ones not ignored)."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs the git checkout to list the source files")
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO, check=True, capture_output=True).stdout
+    return [name for name in listed.decode().split("\0") if name and (REPO / name).is_file()]
+
+
+@pytest.mark.slow
 def test_sdist_carries_the_sources(tmp_path):
-    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(tmp_path)],
-                   cwd=REPO, check=True, capture_output=True)
-    (archive,) = tmp_path.glob("fused_ops-*.tar.gz")
+    tree = tmp_path / "tree"
+    for name in source_files():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, tree / name)
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "setup.py", "-q", "sdist", "--dist-dir", str(dist)],
+                   cwd=tree, check=True, capture_output=True,
+                   env={**os.environ, "FUSED_OPS_FORCE_CPU": "1"})
+    (archive,) = dist.glob("fused_ops-*.tar.gz")
     names = {Path(n).relative_to(Path(n).parts[0]).as_posix()
              for n in tarfile.open(archive).getnames() if len(Path(n).parts) > 1}
-    expected = {p.relative_to(REPO).as_posix() for p in (REPO / "csrc").rglob("*")
+    expected = {p.relative_to(tree).as_posix() for p in (tree / "csrc").rglob("*")
                 if p.suffix in {".h", ".cuh", ".cpp", ".cu"}}
     assert expected and expected <= names, sorted(expected - names)
+    expected_py = {p.relative_to(tree).as_posix() for p in (tree / "fused_ops").glob("*.py")}
+    assert expected_py <= names, sorted(expected_py - names)
     assert {"setup.py", "pyproject.toml", "README.md"} <= names
+    assert not any(n.endswith(".so") for n in names)
 
 
 def test_python_m_fused_ops_reports_the_build_and_runs(tmp_path):
+    """From another directory, with the source tree's package on the path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     result = subprocess.run([sys.executable, "-m", "fused_ops", "--device", "cpu"],
-                            cwd=tmp_path, check=True, capture_output=True, text=True)
+                            cwd=tmp_path, check=True, capture_output=True, text=True, env=env)
     assert "built with" in result.stdout and "'torch':" in result.stdout
     errors = [float(line.split("relerr vs float64 ")[1].split(";")[0])
               for line in result.stdout.splitlines() if "relerr vs float64" in line]
     assert len(errors) == 2 and max(errors) <= 1e-6, result.stdout
+
+
+def test_build_info_reports_the_build():
+    info = fused_ops.build_info()
+    assert info["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert "cuda_archs" in info
+    assert (info["cuda_archs"] is None) == (info["cuda_toolkit"] is None)

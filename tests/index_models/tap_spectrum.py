@@ -1,4 +1,4 @@
-"""A numpy model of csrc/cuda/tap_spectrum.cu's index arithmetic (docs/math.md §3.5). A block
+"""A numpy model of csrc/cross_spectrum/cuda/cross_spectrum_tap_spectrum.cu's index arithmetic (docs/math.md §3.5). A block
 takes a tile of 32 columns (a lane each) and one depth bin b_d <= M_d / 2: WeightTaps stages
 the tile's taps in shared memory (a column's values at an odd stride), each warp forms the
 depth sums of its rows k_h of the plane, and then each warp takes a pair of h bins
@@ -14,7 +14,7 @@ reads them (a chunk of output channels of a weight [Ci, Co, k'd, k'h, k'w]: a ti
 row of the weight with an odd k'd k'h k'w as one run split among the warps, else a column at a
 time) and as StackTaps does (the float64 stack [k'd, k'h, k'w, C]).
 
-    python scripts/tap_spectrum_check.py
+    (run by tests/test_index_models.py)
 """
 import numpy as np
 
@@ -139,30 +139,27 @@ def reference(taps, rows):
     return np.stack([spectrum.real, spectrum.imag], axis=2)
 
 
-if __name__ == "__main__":
-    rng = np.random.default_rng(0)
-    worst = 0.0
-    # (weight shape, rows, the chunk's first output channel and count): 65 columns (a last
-    # tile of one column); k'd k'h k'w = 125 (odd), 24 and 16 (even: a padded stride), 3 and
-    # 1; k'h of 1, 5 and 10 (two pairs of h bins on warp 0 and 1: more pairs than warps);
-    # chunks from channel 0 and past it (tiles across the weight's rows); tiles within one
-    # row of odd k'd k'h k'w (one run: 2 of the second last weight's 3 tiles, all 6 of the
-    # last's); complex rows of 1 to 3 (several channels' columns a row, as P n with P phases),
-    # and each case again with a row per channel (Ci: G Cig, the path's with one phase).
-    cases = [((13, 5, 5, 5, 5), 1, 0, 5), ((4, 7, 3, 2, 4), 2, 2, 4), ((8, 3, 1, 3, 1), 1, 0, 3),
-             ((6, 2, 2, 1, 8), 3, 1, 1), ((3, 24, 1, 10, 1), 3, 0, 24), ((40, 1, 1, 2, 8), 2, 0, 1),
-             ((2, 50, 2, 2, 4), 1, 3, 40), ((2, 40, 3, 3, 3), 1, 0, 40), ((3, 64, 1, 3, 5), 2, 0, 64)]
-    for shape, some_rows, c0, n in cases:
-        weight = rng.standard_normal(shape)
-        stack = weight[:, c0:c0 + n].transpose(2, 3, 4, 0, 1).reshape(*shape[2:], -1)  # [k'd, k'h, k'w, Ci n]
-        for rows in (some_rows, shape[0]):
-            expected = reference(stack, rows)
-            for name, taps in [("WeightTaps", WeightTaps(weight, c0, n)), ("StackTaps", StackTaps(stack))]:
-                model = kernel_model(taps, shape[2:], rows)
-                runs = f", tiles staged as one run: {taps.runs}" if name == "WeightTaps" else ""
-                assert not np.isnan(model).any(), f"{shape} {name}: a bin the model never wrote"
-                error = np.abs(model - expected).max()
-                print(f"weight {shape}, channels {c0}..{c0 + n - 1}, rows {rows}, {name}: "
-                      f"largest difference {error:.1e}{runs}")
-                worst = max(worst, error)
-    assert worst < 1e-12, worst
+# (weight shape, rows, the chunk's first output channel and count): 65 columns (a last tile
+# of one column); k'd k'h k'w = 125 (odd), 24 and 16 (even: a padded stride), 3 and 1; k'h of
+# 1, 5 and 10 (two pairs of h bins on warp 0 and 1: more pairs than warps); chunks from
+# channel 0 and past it (tiles across the weight's rows); tiles within one row of odd k'd k'h
+# k'w (one run: 2 of the second last weight's 3 tiles, all 6 of the last's); complex rows of 1
+# to 3 (several channels' columns a row, as P n with P phases), and each case again with a
+# row per channel (Ci: G Cig, the path's with one phase).
+CASES = [((13, 5, 5, 5, 5), 1, 0, 5), ((4, 7, 3, 2, 4), 2, 2, 4), ((8, 3, 1, 3, 1), 1, 0, 3),
+         ((6, 2, 2, 1, 8), 3, 1, 1), ((3, 24, 1, 10, 1), 3, 0, 24), ((40, 1, 1, 2, 8), 2, 0, 1),
+         ((2, 50, 2, 2, 4), 1, 3, 40), ((2, 40, 3, 3, 3), 1, 0, 40), ((3, 64, 1, 3, 5), 2, 0, 64)]
+
+
+def run(case, seed=0):
+    """The model against numpy's FFT for one case, both taps sources, both row counts."""
+    shape, some_rows, c0, n = case
+    weight = np.random.default_rng(seed).standard_normal(shape)
+    stack = weight[:, c0:c0 + n].transpose(2, 3, 4, 0, 1).reshape(*shape[2:], -1)  # [k'd, k'h, k'w, Ci n]
+    for rows in (some_rows, shape[0]):
+        expected = reference(stack, rows)
+        for name, taps in [("WeightTaps", WeightTaps(weight, c0, n)), ("StackTaps", StackTaps(stack))]:
+            model = kernel_model(taps, shape[2:], rows)
+            assert not np.isnan(model).any(), f"{shape} {name}: a bin the model never wrote"
+            error = np.abs(model - expected).max()
+            assert error < 1e-12, (shape, rows, name, error)

@@ -1,9 +1,9 @@
-"""A model of csrc/cuda/cross_spectrum_mma.cu's block plan (BlockPlan, locate, the staging's
+"""A model of csrc/cross_spectrum/cuda/cross_spectrum_s_stage_mma.cu's block plan (BlockPlan, locate, the staging's
 channels and the warps' fragment offsets), checked for every even channel count per group
 from 2 to 258: each entry (i, j) of S_f is written once, and every warp's A rows and B
 columns read the staged channels they stand for.
 
-    python scripts/w_stage_plan_check.py
+    (run by tests/test_index_models.py)
 """
 kWarps, kBlockRows, kTileCols, kStaged = 4, 16, 8, 48
 def full_blocks(T, p):
@@ -60,10 +60,7 @@ def check(cig):
     assert all(v == 1 for v in written.values()), cig
     assert len(written) == cig * cig, (cig, len(written))
     return nb, idle
-if __name__ == "__main__":  # scripts/w_stage_store_check.py imports the plan
-    old = lambda T: sum((T - 2*p + 3)//4 for p in range(T) if 2*p < T)
+def run():
+    """Every even channel count per group from 2 to 258."""
     for cig in range(2, 260, 2):
-        nb, idle = check(cig)
-        T = (cig + 7)//8
-        if cig in (16, 34, 40, 64, 72, 128, 256): print(f"cig {cig}: T {T}, blocks/row {nb} (before {old(T)}), idle warps {idle}")
-    print("every entry written once, every fragment on its channels")
+        check(cig)

@@ -1,6 +1,6 @@
-"""A numpy model of csrc/cuda/spectral_energy.cu's small-problem kernel
+"""A numpy model of csrc/fft/cuda/fft_spectral_energy.cu's small-problem kernel
 (small_spectral_energy_kernel, docs/math.md §3.3) and of the host rule that picks it
-(small_plan there, small_kernel_pays in csrc/cuda/fft_energy.cpp): the block and thread
+(small_plan there, small_kernel_pays in csrc/fft/cuda/fft.cpp): the block and thread
 index arithmetic, the copies of x and of the taps (piece by piece, 16- or 4-byte), the W2
 each block builds from the taps, the depth DFT and products of each thread over its slice
 of the input channels, the sum of the slices' parts through shared memory, and the final
@@ -12,7 +12,7 @@ and of the dilated weight, and against the centred energy of torch's conv_transp
 float64 where torch is installed. Run in float64 (index arithmetic: <= 1e-12) and in
 float32 (the kernel's precision, no FMA here: <= 1e-6).
 
-    python scripts/spectral_energy_check.py
+    (run by tests/test_index_models.py)
 """
 import math
 from dataclasses import dataclass
@@ -301,56 +301,23 @@ CASES = [
     Case("batch 1, kernel 1", 1, 3, 4, (2, 3, 4), (1, 1, 1)),
 ]
 
-# Where the rule sends the bench's problems (bench/bench_ct_bn_pool.py, stride 1, padding 0).
-BENCH = [Case("t8", 8, 16, 16, (8, 8, 8), (3, 3, 3)),
-         Case("t8c32", 8, 32, 32, (8, 8, 8), (3, 3, 3)),
-         Case("t8c64", 8, 64, 64, (8, 8, 8), (3, 3, 3)),
-         Case("t8k5", 8, 32, 32, (8, 8, 8), (5, 5, 5)),
-         Case("odd", 3, 5, 7, (9, 11, 13), (2, 3, 4)),
-         Case("c16", 16, 16, 32, (16, 32, 32), (5, 5, 5)),
-         Case("s8", 16, 64, 128, (8, 16, 16), (5, 5, 5)),
-         Case("b4", 4, 64, 128, (16, 32, 32), (5, 5, 5)),
-         Case("k3", 16, 64, 128, (16, 32, 32), (3, 3, 3))]
-
-
-def describe(c):
-    small, info = uses_small_kernel(c)
-    if info is None:
-        return f"{c.name:28s} old kernel (batch > 8 or kD > 8 or too many fd)"
-    a, lay, rereads = info
-    return (f"{c.name:28s} {'SMALL' if small else 'old  '} tile_co {a['tile_co']:2d}, "
-            f"slices {a['slices']}, {a['threads']:3d} threads, {a['blocks']:4d} blocks, "
-            f"{a['pieces']:2d} piece(s) of {a['piece_ci']:2d} ci "
-            f"({'16' if a['vec_taps'] else ' 4'}-byte), smem {lay['bytes'] / 1024:6.1f} KiB, "
-            f"taps re-read {rereads / 1e6:6.1f} MB")
-
-
-if __name__ == "__main__":
-    print("the rule on the bench's problems:")
-    for c in BENCH:
-        print("  " + describe(c))
-    rng = np.random.default_rng(0)
-    worst = {"float64": 0.0, "float32": 0.0}
-    print("model against numpy's FFTs (and torch's conv_transpose3d):")
-    for c in CASES:
-        a = plan(c)
-        assert a is not None, c.name
-        lay = layout(a)
-        x = rng.standard_normal((c.batch, c.ci) + c.size) + 0.5
-        w = rng.standard_normal((c.ci, c.co // c.groups) + c.kernel)
-        x_spec, w_spec = spectra(x, w, c)
-        want = reference(x_spec, w_spec, c)
-        conv = conv_energy(x, w, c)
-        if conv is not None:
-            assert np.abs(want.sum(1) - conv).max() <= 1e-9 * np.abs(conv).max(), c.name
-        line = f"  {describe(c)}\n     "
-        for name, cdt in (("float64", np.complex128), ("float32", np.complex64)):
-            got = kernel_model(x_spec.astype(cdt), w, a, lay, cdt)
-            assert not np.isnan(got).any(), f"{c.name}: an entry not written or a NaN read"
-            err = np.linalg.norm(got - want) / np.linalg.norm(want)
-            err_sum = np.abs(got.sum(1) - want.sum(1)).max() / np.abs(want.sum(1)).max()
-            worst[name] = max(worst[name], err, err_sum)
-            line += f" {name}: rel. error {err:.1e} (per channel {err_sum:.1e});"
-        print(line + (" conv_transpose3d agrees" if conv is not None else ""))
-    print(f"worst: float64 {worst['float64']:.1e}, float32 {worst['float32']:.1e}")
-    assert worst["float64"] <= 1e-12 and worst["float32"] <= 1e-6, worst
+def run(case, seed=0):
+    """The model against numpy's FFTs (and the convolution's centred energy) for one case, in
+    float64 (index arithmetic) and float32 (the kernel's precision)."""
+    rng = np.random.default_rng(seed)
+    a = plan(case)
+    assert a is not None, case.name
+    lay = layout(a)
+    x = rng.standard_normal((case.batch, case.ci) + case.size) + 0.5
+    w = rng.standard_normal((case.ci, case.co // case.groups) + case.kernel)
+    x_spec, w_spec = spectra(x, w, case)
+    want = reference(x_spec, w_spec, case)
+    conv = conv_energy(x, w, case)
+    if conv is not None:
+        assert np.abs(want.sum(1) - conv).max() <= 1e-9 * np.abs(conv).max(), case.name
+    for cdt, bound in ((np.complex128, 1e-12), (np.complex64, 1e-6)):
+        got = kernel_model(x_spec.astype(cdt), w, a, lay, cdt)
+        assert not np.isnan(got).any(), f"{case.name}: an entry not written or a NaN read"
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        err_sum = np.abs(got.sum(1) - want.sum(1)).max() / np.abs(want.sum(1)).max()
+        assert max(err, err_sum) <= bound, (case.name, cdt, err, err_sum)

@@ -1,4 +1,4 @@
-"""A model of csrc/cuda/cross_spectrum_mma.cu's stores of Q: which thread writes which entry,
+"""A model of csrc/cross_spectrum/cuda/cross_spectrum_s_stage_mma.cu's stores of Q: which thread writes which entry,
 with what value, by which store instruction. The new mapping (a 16-byte store per pair of
 adjacent entries of row i, 8-byte stores of the mirrored ones) against the one before it (an
 8-byte store per entry and per mirror) and against a plain reference, Q[m] = sum_fw
@@ -17,11 +17,11 @@ lag launches of 5 and 2:
 The kernel's sums are float32; the model keeps them in float64 (the mapping, not the
 rounding, is what is checked).
 
-    python scripts/w_stage_store_check.py
+    (run by tests/test_index_models.py)
 """
 import numpy as np
 
-from w_stage_plan_check import blocks_per_row, kBlockRows, kTileCols, kWarps, locate, paired_blocks  # the block plan
+from .w_stage_plan import blocks_per_row, kBlockRows, kTileCols, kWarps, locate  # the block plan
 
 kMaxLags = 5
 
@@ -147,11 +147,13 @@ def model(cig, groups, lags_total, rows=2, lwf=5, batch=3, seed=0):
     return stats(old), stats(new), T
 
 
-for cig, groups, lags_total in [(64, 1, 5), (64, 2, 7), (2, 2, 7), (6, 2, 7), (10, 2, 7), (24, 2, 7), (40, 2, 7),
-                                (34, 1, 5), (48, 1, 5), (128, 1, 5)]:
-    (oi, osec, ob), (ni, nsec, nb), T = model(cig, groups, lags_total)
-    kind = "paired blocks" if paired_blocks(T) else ("partial blocks" if T % 2 else "no pairs")
-    print(f"cig {cig:3d} (T {T}, {kind}), {groups} group(s), {lags_total} lags: store instructions (warp) "
-          f"{oi} -> {ni}, sectors {osec} -> {nsec}, bytes per sector {ob:.1f} -> {nb:.1f}")
-print("every entry written once, by the old mapping's thread and sums, equal to the reference; "
-      "16-byte stores aligned; whole sectors outside diagonal and partial tiles")
+CASES = [(64, 1, 5), (64, 2, 7), (2, 2, 7), (6, 2, 7), (10, 2, 7), (24, 2, 7), (40, 2, 7),
+         (34, 1, 5), (48, 1, 5), (128, 1, 5)]
+
+
+def run(case):
+    """One (channels per group, groups, lags) case: the model's asserts, and the new mapping
+    uses no more store instructions or sectors than the old one."""
+    cig, groups, lags_total = case
+    (oi, osec, _), (ni, nsec, _), _ = model(cig, groups, lags_total)
+    assert ni <= oi and nsec <= osec, (case, oi, ni, osec, nsec)

@@ -1,20 +1,21 @@
-"""algo='border' (docs/math.md §3.6): the energy of a padded problem as the full grid's
-minus that of the planes the padding cuts, by inclusion–exclusion over the dims, each term a
+"""algo='border' (docs/math.md §3.6): the energy of a padded problem as the full grid's minus
+that of the planes the padding cuts, by inclusion-exclusion over the dims, each term a
 padding-0 problem on x's edge planes. Forced on padded problems of every geometry (padding
 in one, two and three dims, strides, dilation, output padding below, at and above the
-padding, groups, kernels larger than the input) against PyTorch's modules in float64, over
-several steps; the plane regions of one problem shape (both sides of a cut without output
-padding, dims alike) are one problem, counted; refused with a clear error, and nothing
-changed, without padding."""
-import math
-
+padding, groups, kernels larger than the input) against PyTorch's modules in float64 over
+several steps, its statistics within its bound (the terms' rounding amplified by
+border_amplification); the plane regions of one problem shape are one problem, counted;
+refused with a clear error, and nothing changed, without padding. With an offset of x:
+tests/test_statistics.py."""
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from conftest import (DEVICES, Problem, assert_no_host_sync, assert_train_steps_match, make_input, make_models,
-                      relerr)
+from conftest import (DEVICES, KERNELS, TOL, Problem, assert_no_host_sync, assert_stats_match,
+                      assert_train_steps_match, default_stats_tol, make_input, make_models,
+                      module_conv_options, paths_seen, relerr)
 
+ALGO = "border"
 PROBLEMS = [
     Problem(3, 4, 5, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1)),
     Problem(2, 3, 4, (6, 5, 4), (5, 3, 2), conv_kwargs=dict(padding=(2, 1, 0))),
@@ -38,26 +39,20 @@ PROBLEMS = [
     # the bench's padded problems, smaller: "same" padding of a 5-tap and a 3-tap kernel
     Problem(4, 16, 24, (6, 8, 8), (5, 5, 5), conv_kwargs=dict(padding=2)),
     Problem(5, 32, 32, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1)),
-    # lines along W longer than csrc/cuda/line_operands.cu stages in shared memory in float64
-    # (6201 values a channel, 49.6 KB): ATen's gathers there; float32's 24.8 KB take the kernel
+    # batch 1: the statistics are the check
+    Problem(1, 3, 4, (4, 5, 6), (3, 3, 3), conv_kwargs=dict(padding=1)),
+    # lines along W longer than the CUDA line kernels stage in shared memory in float64 (6201
+    # values a channel, 49.6 KB): ATen's gathers there; float32's 24.8 KB take the kernel
     Problem(2, 2, 3, (3, 3, 6200), (3, 3, 3), conv_kwargs=dict(padding=1)),
 ]
-TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-6}
 
 
 def crop_fraction(problem):
     """The share of the padding-0 grid's positions that the crop keeps."""
-    kw = problem.conv_kwargs
-
-    def triple(name, default):
-        v = kw.get(name, default)
-        return v if isinstance(v, tuple) else (v,) * 3
-
-    stride, padding = triple("stride", 1), triple("padding", 0)
-    output_padding, dilation = triple("output_padding", 0), triple("dilation", 1)
     full = crop = 1
-    for n, k, s, p, op, d in zip(problem.size, problem.kernel, stride, padding, output_padding,
-                                 dilation):
+    for n, k, s, p, op, d in zip(problem.size, problem.kernel, problem.triple("stride", 1),
+                                 problem.triple("padding", 0), problem.triple("output_padding", 0),
+                                 problem.triple("dilation", 1)):
         grid = (n - 1) * s + d * (k - 1) + 1 + max(op - p, 0)
         full *= grid
         crop *= grid - p - max(p - op, 0)
@@ -68,28 +63,22 @@ def crop_fraction(problem):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("problem", PROBLEMS, ids=Problem.ids)
 def test_matches_reference_over_steps(problem, device, dtype):
+    """x offset by 0.75 of its spread, so that the sample means are far from 0 and the
+    centring is tested. The statistics within STATS_TOL plus the terms' rounding amplified by
+    border_amplification (conftest.default_stats_tol, docs/math.md §3.6); the output within TOL
+    where the crop keeps a quarter of the grid (float64 covers the geometry of the others)."""
     if dtype == torch.float32 and crop_fraction(problem) < 0.25:
-        # The terms it adds are about 1 / fraction times the crop's energy: their float32
-        # rounding is amplified as much (docs/math.md §3.6); float64 covers the geometry.
         pytest.skip("the crop keeps under a quarter of the grid: float64 only")
-    ref, fused = make_models(problem, dtype, device, algo="border")
-    # An offset, so that the sample means are far from 0 and the centring is tested.
-    assert_train_steps_match(ref, fused, lambda: make_input(problem, dtype, device) + 0.75, TOLERANCE[dtype])
-
-
-def test_crop_fraction():
-    """The helper that picks the float32 cases, on the bench's padded problems."""
-    pad2 = Problem(16, 64, 128, (16, 32, 32), (5, 5, 5), conv_kwargs=dict(padding=2))
-    t8pad1 = Problem(8, 32, 32, (8, 8, 8), (3, 3, 3), conv_kwargs=dict(padding=1))
-    assert math.isclose(crop_fraction(pad2), 16 * 32 * 32 / (20 * 36 * 36))
-    assert math.isclose(crop_fraction(t8pad1), 8 ** 3 / 10 ** 3)
+    ref, fused = make_models(problem, dtype, device, algo=ALGO)
+    assert_train_steps_match(ref, fused, lambda: make_input(problem, dtype, device, offset=0.75),
+                             TOL[dtype])
 
 
 @pytest.mark.parametrize("problem, plane_problems, value_gemms", [
     # each dim's two sides one problem; the lines of each pair of cut dims one GEMM, the corners one
     (Problem(2, 3, 4, (4, 5, 6), (3, 3, 3), conv_kwargs=dict(padding=1)), 3, 4),
-    # D and H alike (the cut dim first, Region::order()): their four sides one problem, and the
-    # lines along H and along D (cut in the other two dims) one GEMM
+    # D and H alike (the cut dim first): their four sides one problem, and the lines along H and
+    # along D (cut in the other two dims) one GEMM
     (Problem(2, 3, 4, (5, 5, 6), (3, 3, 3), conv_kwargs=dict(padding=1)), 2, 3),
     # H and W alike, likewise
     (Problem(2, 3, 4, (4, 5, 5), (3, 3, 3), conv_kwargs=dict(padding=1)), 2, 3),
@@ -101,21 +90,23 @@ def test_plane_regions_share_problems_on_cpu(problem, plane_problems, value_gemm
     one problem shape (docs/math.md §3.6). The CPU's auto takes ATen's convolution for each of
     these padding-0 problems (sliced_conv, one slice here), so each runs aten::_convolution
     once, its cut dim at the depth; the lines and corners are one GEMM (aten::baddbmm) per
-    group of one problem shape and sign."""
-    _, fused = make_models(problem, torch.float32, "cpu", algo="border")
+    group of one problem shape and sign. The call's output against float64."""
+    ref, fused = make_models(problem, torch.float32, "cpu", algo=ALGO)
     x = make_input(problem, torch.float32, "cpu")
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        fused.train()(x)
+        out = fused.train()(x)
     inputs = [e.input_shapes[0] for e in prof.events() if e.name == "aten::_convolution"]
     assert len(inputs) == 1 + plane_problems, inputs
     assert all(shape[2] == 1 for shape in inputs[1:]), inputs
     assert sum(e.name == "aten::baddbmm" for e in prof.events()) == value_gemms
+    with torch.no_grad():
+        assert relerr(out, ref.train()(x.double())) <= TOL[torch.float32]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_refuses_padding_0(device):
     p = Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=dict(stride=2, output_padding=1))
-    _, fused = make_models(p, torch.float32, device, algo="border")
+    _, fused = make_models(p, torch.float32, device, algo=ALGO)
     before = fused.batch_norm.running_var.clone()
     with pytest.raises(ValueError, match=r"algo='border' needs padding > 0 in some dim; got padding \[0, 0, 0\]"):
         fused(make_input(p, torch.float32, device))
@@ -123,68 +114,79 @@ def test_refuses_padding_0(device):
     assert int(fused.batch_norm.num_batches_tracked) == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_no_host_sync_on_cuda():
     p = Problem(3, 8, 12, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1))
-    _, fused = make_models(p, torch.float32, "cuda", algo="border")
+    _, fused = make_models(p, torch.float32, "cuda", algo=ALGO)
     assert_no_host_sync(fused.train(), make_input(p, torch.float32, "cuda"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+@pytest.mark.slow
 def test_auto_on_cuda_takes_border_on_large_padded_problems():
     """CUDA auto with padding: the border's terms where the convolution has at least 1e11
-    multiply-adds and the crop keeps half of the grid (csrc/cuda/ct_bn_pool_cuda.cpp), else
-    cuDNN over slices or the direct kernel (tests/test_correlation_paths.py). The float64
-    reference of a problem this size would take minutes on the CPU: checked against
-    sliced_conv (strict float32) on the GPU instead, whose own accuracy the small problems test."""
+    multiply-adds and the crop keeps half of the grid, else cuDNN over slices or the direct
+    kernel (tests/test_dispatch.py). The float64 reference of a problem this size would take
+    minutes on the CPU: the statistics against float64 on the GPU (F.conv_transpose3d in
+    float64 there), the output against sliced_conv (strict float32), whose own accuracy the
+    small problems test."""
     p = Problem(16, 64, 64, (16, 32, 32), (5, 5, 5), conv_kwargs=dict(padding=2))  # 1.3e11
     _, fused = make_models(p, torch.float32, "cuda")
     _, sliced = make_models(p, torch.float32, "cuda", algo="sliced_conv")
     sliced.load_state_dict(fused.state_dict())
-    x = make_input(p, torch.float32, "cuda") + 0.5
+    x = make_input(p, torch.float32, "cuda", offset=0.5)
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         out = fused.train()(x)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
     assert not any(name == "aten::_convolution" for name in names)
     # the terms' paths at padding 0: Parseval or the cross-spectrum
-    assert any("spectral_energy" in name or "cross_spectrum_" in name for name in names)
+    assert paths_seen(names) & {"fft", "cross_spectrum"}
     with torch.no_grad():
         assert relerr(out, sliced.train()(x)) <= 2e-6
     for name in ("running_mean", "running_var"):
         assert relerr(getattr(fused.batch_norm, name), getattr(sliced.batch_norm, name)) <= 2e-6
+    sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(x, fused.conv_transpose.weight.detach(),
+                                                       padding=[2, 2, 2])
+    y = torch.nn.functional.conv_transpose3d(x.double(), fused.conv_transpose.weight.double(),
+                                             padding=2)
+    var = y.var(dim=(0, 2, 3, 4), correction=0)
+    del y
+    assert ((stats[2] / stats[0] - var).abs() / var).max().item() <= 1e-6
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_plane_problems_take_the_cross_spectrum_on_cuda():
     """Padding in D alone: the full grid and one plane problem (both sides of D's cut, the cut
     dim at the depth). That problem's 1.7e8 multiply-adds are past the direct kernel's share, so
-    CUDA auto takes the cross-spectrum for it (a depth of one position: csrc/cuda/ct_bn_pool_cuda.cpp),
-    whose W stage writes Z^ itself (one lag stage storing float64 sums, Tables::coef_wd), beside
-    the full grid's W and D stages if it takes that path too. x offset by 50, so that the planes'
-    means are far from the crop's. Against float64: output and running statistics."""
+    CUDA auto takes the cross-spectrum for it (a depth of one position), whose W stage writes
+    Z^ itself (one lag stage storing float64 sums), beside the full grid's W and D stages if it
+    takes that path too. Against float64: output, statistics and running statistics."""
     p = Problem(8, 32, 64, (4, 32, 32), (3, 3, 3), conv_kwargs=dict(padding=(1, 0, 0)))
-    ref, fused = make_models(p, torch.float32, "cuda", algo="border")
+    ref, fused = make_models(p, torch.float32, "cuda", algo=ALGO)
     ref.train()
     fused.train()
-    x = make_input(p, torch.float32, "cuda") + 50
+    x = make_input(p, torch.float32, "cuda")
     with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = fused(x)
         torch.cuda.synchronize()
     names = [e.name for e in prof.events()]
-    w_stages = sum("lag_stage_kernel<float2, float2" in n for n in names)
-    assert sum("lag_stage_kernel<float2, double2" in n for n in names) == w_stages + 1
+    lag = KERNELS["lag_stage"]
+    w_stages = sum(f"{lag}<float2, float2" in n for n in names)
+    assert sum(f"{lag}<float2, double2" in n for n in names) == w_stages + 1
     with torch.no_grad():
-        assert relerr(out, ref(x.double().cpu())) <= 1e-6
+        assert relerr(out, ref(x.double().cpu())) <= TOL[torch.float32]
     for name in ("running_mean", "running_var"):
-        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= 1e-6
+        assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= TOL[torch.float32]
+    weight, options = fused.conv_transpose.weight.detach(), module_conv_options(fused)
+    assert_stats_match(x, weight, options, ALGO, default_stats_tol(ALGO, x, weight, options))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_auto_on_cuda_leaves_border_where_its_weights_are_large():
     """A 7-tap kernel with padding 3 on 256 channels: 3.7e11 multiply-adds, the crop keeps 0.52
     of the grid, but a line's weight would hold 256 * 256 * 81 * 7 float64 values (297 MB):
-    auto takes cuDNN over slices (csrc/cuda/ct_bn_pool_cuda.cpp, border_pays)."""
+    auto takes cuDNN over slices."""
     p = Problem(1, 256, 256, (16, 32, 32), (7, 7, 7), conv_kwargs=dict(padding=3))
     _, fused = make_models(p, torch.float32, "cuda")
     x = make_input(p, torch.float32, "cuda")

@@ -1,4 +1,4 @@
-"""A numpy model of csrc/cuda/x_spectrum_dft.cu's arithmetic (its tables as build_tables
+"""A numpy model of csrc/x_spectrum/cuda/x_spectrum_dft.cu's arithmetic (its tables as build_tables
 lays them out, the W stage's split by 2 of a real row, the H stage's split by a radix of 4,
 2 or 1 with split_outputs' butterflies, its flat indexing of the plane spectrum, the transposed
 H table and t,
@@ -6,7 +6,7 @@ the D stage's radix 2), checked against numpy's rfftn on small shapes, including
 multiple of the radix. It checks the index algebra of the kernels' tables, not the kernels:
 only the CUDA tests on a GPU do that.
 
-    python scripts/x_spectrum_split_check.py
+    (run by tests/test_index_models.py)
 """
 import numpy as np
 
@@ -128,20 +128,27 @@ def h_stage_flat(plane, lh, ci, freq_tile=3):
     return t.reshape(lh, lwf, ci)[:, :, plane_ci]
 
 
-rng = np.random.default_rng(1)
-for h, lh, lwf in [(32, 36, 19), (7, 8, 4), (9, 12, 5), (5, 9, 7), (6, 10, 6), (3, 4, 3), (1, 4, 2), (13, 16, 9)]:
+H_STAGE_CASES = [(32, 36, 19), (7, 8, 4), (9, 12, 5), (5, 9, 7), (6, 10, 6), (3, 4, 3), (1, 4, 2),
+                 (13, 16, 9)]
+SPECTRUM_CASES = [((4, 7, 6), (6, 8, 8)), ((5, 9, 13), (6, 12, 16)), ((3, 5, 4), (5, 9, 7)),
+                  ((2, 6, 5), (4, 10, 9)), ((3, 3, 3), (4, 4, 5)), ((2, 1, 3), (3, 4, 4)),
+                  ((16, 32, 32), (20, 36, 36)), ((2, 3, 7), (3, 4, 12)), ((2, 3, 6), (3, 4, 6)),
+                  ((2, 3, 1), (3, 4, 2)), ((2, 3, 16), (3, 4, 20))]
+
+
+def run_h_stage(case, seed=1):
+    """The H stage over flat buffers against numpy's FFT of a plane."""
+    h, lh, lwf = case
+    rng = np.random.default_rng(seed)
     plane = rng.standard_normal((h, lwf)) + 1j * rng.standard_normal((h, lwf))
     ref = np.fft.fft(plane, n=lh, axis=0)
     err = np.abs(h_stage_flat(plane, lh, ci=3) - ref).max()
-    print("H stage, flat buffers", (h, lh, lwf), f"max error {err:.1e}")
-    assert err < 1e-9
+    assert err < 1e-9, (case, err)
 
-for shape, grid in [((4, 7, 6), (6, 8, 8)), ((5, 9, 13), (6, 12, 16)), ((3, 5, 4), (5, 9, 7)),
-                    ((2, 6, 5), (4, 10, 9)), ((3, 3, 3), (4, 4, 5)), ((2, 1, 3), (3, 4, 4)),
-                    ((16, 32, 32), (20, 36, 36)), ((2, 3, 7), (3, 4, 12)), ((2, 3, 6), (3, 4, 6)),
-                    ((2, 3, 1), (3, 4, 2)), ((2, 3, 16), (3, 4, 20))]:
-    x = rng.standard_normal(shape)
+
+def run_spectrum(case, seed=1):
+    """The three stages against numpy's rfftn of x on its grid."""
+    shape, grid = case
+    x = np.random.default_rng(seed).standard_normal(shape)
     err = np.abs(spectrum(x, grid) - np.fft.rfftn(x, s=grid, axes=(0, 1, 2))).max()
-    print(shape, grid, "W radix", axis(grid[2], shape[2], 2)[0], "H radix", axis(grid[1], shape[1], 4)[0],
-          f"max error {err:.1e}")
-    assert err < 1e-9
+    assert err < 1e-9, (case, err)

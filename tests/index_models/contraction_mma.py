@@ -1,4 +1,4 @@
-"""A numpy model of csrc/cuda/quad_form_mma.cu (docs/math.md §3.5, the fused contraction): its
+"""A numpy model of csrc/cross_spectrum/cuda/cross_spectrum_quad_form_mma.cu (docs/math.md §3.5, the fused contraction): its
 blocks (bin, group, row tile, column tile), the pieces each thread stages per chunk (R^'s
 complex values, 16 bytes each, and W's rows; cp.async's zeros past Cig, R and C; shared memory
 never staged is NaN, so reading it shows), the chunks from the last down to the block's own rows
@@ -10,14 +10,10 @@ order (pair-major, then the last pairs' blocks, two waves' worth, by row tile). 
 the complex formula sum_g mirror[g_w] Re(W_c^H R^ W_c), W_c the complex values of W's
 interleaved rows (Re, Im of channel 0, Re, Im of channel 1, ...), on random Hermitian R^ for
 several R = 2 Cig, C, groups, chunks of columns (phase_energies' calls) and wave sizes (no tail,
-part, all), and each partial sum written once. Last, the DMMAs of the seed problem's call and the
-time they take at the H200's float64 tensor rate, and the grid's makespan with blocks started in
-index order.
+part, all), and each partial sum written once.
 
-    python scripts/contraction_mma_check.py
+    (run by tests/test_index_models.py)
 """
-import heapq
-
 import numpy as np
 
 TILE, CHUNK, WARP_TILE, THREADS, MMA_K = 64, 32, 32, 128, 8
@@ -195,46 +191,14 @@ def check(rng, grid, groups, cig, cols, chunk, wave):
     assert err < 1e-12, err
 
 
-def seed_floor():
-    """The seed problem's call: 405 bins, R = C = 128, at 67 TFLOP/s of float64 MMAs."""
-    bins, rows, cols = 405, 128, 128
-    per_block = {}
-    for row_tile in range(tiles(rows)):
-        chunks = (rows - TILE * row_tile + CHUNK - 1) // CHUNK
-        per_block[row_tile] = 4 * chunks * (CHUNK // MMA_K) * 8  # four warps, all active here
-    dmma = bins * tiles(cols) * sum(per_block.values())
-    flops = dmma * 16 * 8 * 8 * 2
-    gemm = bins * rows * rows * cols * 2
-    print(f"seed: {dmma} DMMAs ({per_block} per block by row tile), {flops / 1e9:.3f} GFLOP "
-          f"({flops / gemm:.2f} of the GEMM's), {flops / 67e12 * 1e6:.1f} us at 67 TFLOP/s")
+CASES = [  # (cig, cols, groups, grid, chunk), wave
+    ((64, 128, 1, (3, 1, 2), 128), H200_WAVE), ((64, 37, 3, (1, 2, 2), 37), 5),
+    ((64, 200, 1, (1, 1, 2), 80), 1), ((5, 128, 3, (3, 1, 2), 50), 4),
+    ((5, 37, 1, (3, 3, 2), 37), 2), ((5, 200, 3, (1, 1, 2), 200), H200_WAVE),
+    ((36, 128, 3, (1, 1, 2), 128), 3), ((36, 37, 1, (3, 1, 2), 20), 6),
+    ((36, 200, 1, (1, 3, 2), 200), 1)]
 
 
-def seed_makespan(overhead=1.0):
-    """The seed call's grid started in index order on the H200's 396 slots (a block starts where
-    one ends), a block taking its chunks plus `overhead` chunks (first copy, epilogue): pair
-    order against this one, as a multiple of the work spread evenly."""
-    pairs, row_tiles, col_tiles = 405, 2, 2
-
-    def makespan(order):
-        ends = [0.0] * H200_WAVE
-        for _, row_tile, _ in order:
-            heapq.heappush(ends, heapq.heappop(ends) + (128 - TILE * row_tile) // CHUNK + overhead)
-        return max(ends)
-
-    pair_major = [(p, r, c) for p in range(pairs) for r in range(row_tiles) for c in range(col_tiles)]
-    even = sum((128 - TILE * r) // CHUNK + overhead for _, r, _ in pair_major) / H200_WAVE
-    print(f"seed grid (overhead {overhead} chunk): pair order {makespan(pair_major) / even:.3f}, "
-          f"this order {makespan(grid_order(pairs, row_tiles, col_tiles, H200_WAVE)) / even:.3f} of the even spread")
-
-
-rng = np.random.default_rng(7)
-for (cig, cols, groups, grid, chunk), wave in zip([
-        (64, 128, 1, (3, 1, 2), 128), (64, 37, 3, (1, 2, 2), 37), (64, 200, 1, (1, 1, 2), 80),
-        (5, 128, 3, (3, 1, 2), 50), (5, 37, 1, (3, 3, 2), 37), (5, 200, 3, (1, 1, 2), 200),
-        (36, 128, 3, (1, 1, 2), 128), (36, 37, 1, (3, 1, 2), 20), (36, 200, 1, (1, 3, 2), 200)],
-        [H200_WAVE, 5, 1, 4, 2, H200_WAVE, 3, 6, 1]):
-    check(rng, grid, groups, cig, cols, chunk, wave)
-seed_floor()
-for overhead in (0.5, 1.0, 2.0):
-    seed_makespan(overhead)
-print("every partial sum written once, none read from shared memory never staged")
+def run(case, seed=7):
+    (cig, cols, groups, grid, chunk), wave = case
+    check(np.random.default_rng(seed), grid, groups, cig, cols, chunk, wave)
