@@ -5,6 +5,7 @@ convolution output; see ``docs/math.md`` for the algebra. This package offers th
 functional :func:`ct_bn_pool`, the drop-in module :class:`ConvTransposeBNPool3d` and
 :func:`fuse`, which rewrites the pattern in users' models.
 """
+import importlib.util
 import json
 
 import torch
@@ -12,14 +13,13 @@ import torch
 _REBUILD = ("rebuild it against the torch you run: `python -m pip install --no-build-isolation "
             "--force-reinstall --no-deps .` from the fused_ops source tree (README, Install)")
 
-try:
-    from . import _C  # noqa: F401  (loads the kernels; registers torch.ops.fused_ops)
-except ModuleNotFoundError as e:  # a source tree that was never built
+if importlib.util.find_spec(__name__ + "._C") is None:  # a source tree that was never built
     raise ImportError(
         f"fused_ops: {__path__[0]} has no compiled extension (fused_ops._C). Install it with "
         "`python -m pip install --no-build-isolation -e .` from the source tree, or run from outside "
-        "the source tree so that the installed fused_ops is imported (README, Install)."
-    ) from e
+        "the source tree so that the installed fused_ops is imported (README, Install).")
+try:
+    from . import _C  # noqa: F401  (loads the kernels; registers torch.ops.fused_ops)
 except ImportError as e:  # an undefined symbol: built against another torch, most likely
     raise ImportError(
         f"fused_ops: the compiled extension fused_ops._C does not load under torch {torch.__version__} "

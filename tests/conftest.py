@@ -580,3 +580,37 @@ def _seed(request):
     """Each test draws the same values on every run (a failure reproduces), other tests
     other values."""
     torch.manual_seed(sum(map(ord, request.node.nodeid)) * 7919 % (2 ** 31))
+
+
+# One small problem per ConvTranspose3d / BatchNorm3d option, and one with all of them: the
+# families the compile, export, CUDA graph and opcheck suites run.
+_FAMILY_BASE = dict(batch=2, in_channels=4, out_channels=6, size=(3, 4, 5), kernel=(2, 3, 2))
+FAMILIES = {
+    "plain": Problem(**_FAMILY_BASE),
+    "stride": Problem(**_FAMILY_BASE, conv_kwargs=dict(stride=(2, 1, 3))),
+    "padding": Problem(**_FAMILY_BASE, conv_kwargs=dict(padding=(1, 0, 1))),
+    "output_padding": Problem(**_FAMILY_BASE, conv_kwargs=dict(stride=2, output_padding=(1, 0, 1))),
+    "dilation": Problem(**_FAMILY_BASE, conv_kwargs=dict(dilation=(2, 1, 3))),
+    "groups": Problem(**_FAMILY_BASE, conv_kwargs=dict(groups=2)),
+    "no_bias": Problem(**_FAMILY_BASE, conv_kwargs=dict(bias=False)),
+    "no_affine": Problem(**_FAMILY_BASE, bn_kwargs=dict(affine=False)),
+    "untracked": Problem(**_FAMILY_BASE, bn_kwargs=dict(track_running_stats=False)),
+    "momentum_none": Problem(**_FAMILY_BASE, momentum=None),
+    "momentum_0": Problem(**_FAMILY_BASE, momentum=0.0),
+    "everything": Problem(3, 4, 6, (4, 3, 5), (3, 2, 3), scale=-0.75, eps=1e-3, momentum=0.3,
+                          conv_kwargs=dict(stride=(1, 2, 3), padding=(1, 0, 2),
+                                           output_padding=(0, 1, 2), dilation=(2, 1, 1),
+                                           groups=2, bias=False),
+                          bn_kwargs=dict(affine=False)),
+}
+
+
+def assert_refused_unchanged(problem, device, algo, match):
+    """A forced `algo` where it does not apply: a ValueError matching `match` from the module,
+    and nothing changed (running statistics, batch count)."""
+    _, fused = make_models(problem, torch.float32, device, algo=algo)
+    before = fused.batch_norm.running_var.clone()
+    with pytest.raises(ValueError, match=match):
+        fused(make_input(problem, torch.float32, device))
+    assert torch.equal(fused.batch_norm.running_var, before)
+    assert int(fused.batch_norm.num_batches_tracked) == 0

@@ -12,27 +12,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fused_ops
-from conftest import (DEVICES, TOL, Problem, Reference, assert_gradients_match, make_input,
-                      make_models, relerr, skip_unless_algo_covers, twin_modules)
+from conftest import (DEVICES, FAMILIES, Problem, Reference, TOL, assert_gradients_match,
+                      make_input, make_models, relerr, skip_unless_algo_covers, twin_modules)
 
-BASE = dict(batch=2, in_channels=4, out_channels=6, size=(3, 4, 5), kernel=(2, 3, 2))
-FAMILIES = {
-    "plain": Problem(**BASE),
-    "stride": Problem(**BASE, conv_kwargs=dict(stride=(2, 1, 3))),
-    "padding": Problem(**BASE, conv_kwargs=dict(padding=(1, 0, 1))),
-    "output_padding": Problem(**BASE, conv_kwargs=dict(stride=2, output_padding=(1, 0, 1))),
-    "dilation": Problem(**BASE, conv_kwargs=dict(dilation=(2, 1, 3))),
-    "groups": Problem(**BASE, conv_kwargs=dict(groups=2)),
-    "no_bias": Problem(**BASE, conv_kwargs=dict(bias=False)),
-    "no_affine": Problem(**BASE, bn_kwargs=dict(affine=False)),
-    "untracked": Problem(**BASE, bn_kwargs=dict(track_running_stats=False)),
-    "momentum_none": Problem(**BASE, momentum=None),
-    "everything": Problem(3, 4, 6, (4, 3, 5), (3, 2, 3), scale=-0.75, eps=1e-3, momentum=0.3,
-                          conv_kwargs=dict(stride=(1, 2, 3), padding=(1, 0, 2),
-                                           output_padding=(0, 1, 2), dilation=(2, 1, 1),
-                                           groups=2, bias=False),
-                          bn_kwargs=dict(affine=False)),
-}
 # Modes: eval (algo ignored), and training with each algorithm.
 MODES = [("eval", "auto"), ("train", "auto"), ("train", "direct"), ("train", "sliced_conv"),
          ("train", "fft"), ("train", "correlation"), ("train", "cross_spectrum"),

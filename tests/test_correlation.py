@@ -6,8 +6,9 @@ refused with a clear error, and nothing changed, where padding > 0."""
 import pytest
 import torch
 
-from conftest import (CORRELATION_PROBLEMS, DEVICES, Problem, assert_no_host_sync, check_training,
-                      make_input, make_models, problem_params)
+from conftest import (CORRELATION_PROBLEMS, DEVICES, Problem, assert_no_host_sync,
+                      assert_refused_unchanged, check_training, make_input, make_models,
+                      problem_params)
 
 ALGO = "correlation"
 
@@ -26,12 +27,7 @@ def test_matches_reference_over_steps(problem, device, dtype):
                          ids=str)
 def test_refuses_padding(device, conv_kwargs):
     p = Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=conv_kwargs)
-    _, fused = make_models(p, torch.float32, device, algo=ALGO)
-    before = fused.batch_norm.running_var.clone()
-    with pytest.raises(ValueError, match=f"algo='{ALGO}' needs padding 0"):
-        fused(make_input(p, torch.float32, device))
-    assert torch.equal(fused.batch_norm.running_var, before)
-    assert int(fused.batch_norm.num_batches_tracked) == 0
+    assert_refused_unchanged(p, device, ALGO, f"algo='{ALGO}' needs padding 0")
 
 
 @pytest.mark.cuda

@@ -10,9 +10,10 @@ from torch.profiler import ProfilerActivity, profile
 
 import fused_ops
 import fused_ops.testing
-from conftest import (CORRELATION_PROBLEMS, DEVICES, KERNELS, TOL, Problem, assert_no_host_sync,
-                      assert_train_steps_match, check_training, cuda_train_step,
-                      cuda_train_step_kernels, make_input, make_models, problem_params, relerr)
+from conftest import (CORRELATION_PROBLEMS, DEVICES, KERNELS, Problem, TOL, assert_no_host_sync,
+                      assert_refused_unchanged, assert_train_steps_match, check_training,
+                      cuda_train_step, cuda_train_step_kernels, make_input, make_models,
+                      problem_params, relerr)
 
 ALGO = "cross_spectrum"
 
@@ -31,12 +32,7 @@ def test_matches_reference_over_steps(problem, device, dtype):
                          ids=str)
 def test_refuses_padding(device, conv_kwargs):
     p = Problem(2, 4, 6, (3, 4, 5), (3, 3, 3), conv_kwargs=conv_kwargs)
-    _, fused = make_models(p, torch.float32, device, algo=ALGO)
-    before = fused.batch_norm.running_var.clone()
-    with pytest.raises(ValueError, match=f"algo='{ALGO}' needs padding 0"):
-        fused(make_input(p, torch.float32, device))
-    assert torch.equal(fused.batch_norm.running_var, before)
-    assert int(fused.batch_norm.num_batches_tracked) == 0
+    assert_refused_unchanged(p, device, ALGO, f"algo='{ALGO}' needs padding 0")
 
 
 @pytest.mark.parametrize("device", DEVICES)

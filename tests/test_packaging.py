@@ -63,3 +63,22 @@ def test_build_info_reports_the_build():
     assert info["torch"].split("+")[0] == torch.__version__.split("+")[0]
     assert "cuda_archs" in info
     assert (info["cuda_archs"] is None) == (info["cuda_toolkit"] is None)
+
+
+def test_a_build_for_another_torch_refuses_to_import(monkeypatch):
+    """The extension loads only under the torch it was built against: any other fails at
+    import with a message naming both versions and how to rebuild, not later with a crash."""
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    with pytest.raises(ImportError, match=r"built against torch .* but torch 0\.0\.0-other .*rebuild"):
+        fused_ops._check_built_torch()
+
+
+def test_a_source_tree_without_the_extension_says_how_to_build(tmp_path):
+    """Importing an unbuilt fused_ops (a source tree on sys.path) names the fix, not a circular
+    import."""
+    shutil.copytree(REPO / "fused_ops", tmp_path / "fused_ops",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    run = subprocess.run([sys.executable, "-c", "import fused_ops"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "has no compiled extension" in run.stderr and "pip install" in run.stderr

@@ -47,7 +47,8 @@ struct FinalizeArgs {
 // within-sample energies, where the batch's statistics are computed (else 0). Four loads in
 // flight per round and no division where S is 1: summed one dependent load at a time with a
 // 64-bit division each, the many rows per channel of the fused contraction's partial sums
-// (810 on the seed problem) would lengthen the CUDA finalize markedly (docs/performance.md). The CUDA kernel takes its share first, before the sample sums.
+// (810 on the seed problem) would lengthen the CUDA finalize markedly (docs/performance.md).
+// The CUDA kernel takes its share first, before the sample sums.
 template <typename scalar_t>
 FO_HD double energy_part(const FinalizeArgs<scalar_t>& a, int64_t c, int64_t first, int64_t step) {
   if (!a.batch_stats || a.stats_in) return 0.0;

@@ -11,7 +11,8 @@
 // some entry on or above the diagonal are those with q >= 2p. A block's four warps take
 // four consecutive tiles of one block p (or two tiles of each of two blocks p: BlockPlan) and
 // stage, per step of 16 samples of one fh, the 16 row channels and the 32 column channels
-// they read (32 and 16 for two blocks p), as float64 real and imaginary planes. An entry above the diagonal writes Q at (i, j) and at (j, i) from the four real
+// they read (32 and 16 for two blocks p), as float64 real and imaginary planes. An entry
+// above the diagonal writes Q at (i, j) and at (j, i) from the four real
 // sums of cross_spectrum_s_stage.cu's kMirror tiles; one on it writes once; one below writes
 // nothing (the task holding its transpose writes it). A thread's two adjacent entries of a
 // row, (i, j) and (i, j + 1), go out as one 16-byte store, so Q's rows are written in whole
