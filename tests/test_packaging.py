@@ -78,7 +78,10 @@ def test_a_source_tree_without_the_extension_says_how_to_build(tmp_path):
     import."""
     shutil.copytree(REPO / "fused_ops", tmp_path / "fused_ops",
                     ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    run = subprocess.run([sys.executable, "-c", "import fused_ops"], cwd=tmp_path,
+    # Without site (-S) no .pth file runs, so an installed or editable fused_ops cannot answer
+    # the import: the copy in the working directory does; torch comes from its own folder.
+    env = {**os.environ, "PYTHONPATH": str(Path(torch.__file__).parent.parent)}
+    run = subprocess.run([sys.executable, "-S", "-c", "import fused_ops"], cwd=tmp_path, env=env,
                          capture_output=True, text=True)
     assert run.returncode != 0
     assert "has no compiled extension" in run.stderr and "pip install" in run.stderr
