@@ -614,3 +614,14 @@ def assert_refused_unchanged(problem, device, algo, match):
         fused(make_input(problem, torch.float32, device))
     assert torch.equal(fused.batch_norm.running_var, before)
     assert int(fused.batch_norm.num_batches_tracked) == 0
+
+
+def run_backward(module, x, grad_out):
+    """(module(x), {"x": its gradient, parameter name: its gradient}) for grad_out."""
+    x = x.detach().clone().requires_grad_()
+    module.zero_grad(set_to_none=True)
+    out = module(x)
+    out.backward(grad_out)
+    # A compiled module's names start with _orig_mod.
+    return out.detach(), {"x": x.grad, **{name.removeprefix("_orig_mod."): p.grad
+                                          for name, p in module.named_parameters()}}

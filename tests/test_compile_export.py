@@ -13,7 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fused_ops
 from conftest import (DEVICES, FAMILIES, Problem, Reference, TOL, assert_gradients_match,
-                      make_input, make_models, relerr, skip_unless_algo_covers, twin_modules)
+                      make_input, make_models, relerr, run_backward, skip_unless_algo_covers,
+                      twin_modules)
 
 # Modes: eval (algo ignored), and training with each algorithm.
 MODES = [("eval", "auto"), ("train", "auto"), ("train", "direct"), ("train", "sliced_conv"),
@@ -229,17 +230,6 @@ def test_exported_program_saves_and_loads(training, tmp_path):
 
 
 # --- Compiled backward ------------------------------------------------------------------------
-
-def run_backward(module, x, grad_out):
-    """(module(x), {"x": its gradient, parameter name: its gradient}) for grad_out."""
-    x = x.detach().clone().requires_grad_()
-    module.zero_grad(set_to_none=True)
-    out = module(x)
-    out.backward(grad_out)
-    # A compiled module's names start with _orig_mod.
-    return out.detach(), {"x": x.grad, **{name.removeprefix("_orig_mod."): p.grad
-                                          for name, p in module.named_parameters()}}
-
 
 @contextlib.contextmanager
 def fresh_compile():

@@ -11,7 +11,7 @@ from torch.autograd import gradcheck, gradgradcheck
 
 import fused_ops
 from conftest import (DEVICES, GRAD_TOL, HALF_TYPES, Problem, assert_gradients_match,
-                      make_dtype_models, make_input, make_models)
+                      make_dtype_models, make_input, make_models, run_backward)
 
 PROBLEMS = [
     Problem(2, 4, 6, (3, 4, 5), (2, 3, 2)),
@@ -49,17 +49,6 @@ def no_tf32():
             yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = matmul
-
-
-def run_backward(module, x, grad_out):
-    """(module(x), {"x": its gradient, parameter name: its gradient}) for grad_out."""
-    x = x.detach().clone().requires_grad_()
-    module.zero_grad(set_to_none=True)
-    out = module(x)
-    out.backward(grad_out)
-    # A compiled module's names start with _orig_mod.
-    return out.detach(), {"x": x.grad, **{name.removeprefix("_orig_mod."): p.grad
-                                          for name, p in module.named_parameters()}}
 
 
 @pytest.mark.parametrize("device", DEVICES)

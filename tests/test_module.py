@@ -152,14 +152,3 @@ def test_module_options_reach_the_op(training):
             assert relerr(fused(x), ref(x)) <= TOL[torch.float64]
     for name in ("running_mean", "running_var"):
         assert relerr(getattr(fused.batch_norm, name), getattr(ref.batch_norm, name)) <= TOL[torch.float64]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_rejected_module_call_does_not_count_a_batch(device):
-    _, fused = make_models(P, torch.float32, device)
-    fused.train()
-    state = {k: v.clone() for k, v in fused.state_dict().items()}
-    with pytest.raises(RuntimeError, match="5-D"):
-        fused(make_input(P, torch.float32, device)[0])
-    for key, value in fused.state_dict().items():
-        assert torch.equal(value, state[key]), key
