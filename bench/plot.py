@@ -3,8 +3,9 @@
 
     python bench/plot.py bench/results/<gpu>-<date>.json [-o docs/speedup-<gpu>.png]
 
-One group of bars per problem, one bar per mode (train: the "auto" algo row, else the
-first train row), log y axis, a line at 1 (= eager speed). Needs matplotlib.
+One group of bars per problem (per problem and dtype where the file holds several dtypes),
+one bar per mode (train: the "auto" algo row, else the first train row), log y axis, a line
+at 1 (= eager speed). Needs matplotlib.
 """
 import argparse
 import json
@@ -17,16 +18,23 @@ matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def group_of(rows):
+    """A row's bar group: its problem, with its dtype where the rows hold several."""
+    several = len({row.get("dtype", "float32") for row in rows}) > 1
+    return lambda row: f"{row['shape']} {row['dtype']}" if several else row["shape"]
+
+
 def speedups(rows):
-    """{mode: {shape: speedup or nan}} and the shapes in file order."""
-    shapes = list(dict.fromkeys(row["shape"] for row in rows))
+    """{mode: {group: speedup or nan}} and the groups in file order."""
+    group = group_of(rows)
+    shapes = list(dict.fromkeys(group(row) for row in rows))
     modes = list(dict.fromkeys(row["mode"] for row in rows))
     table = {mode: {} for mode in modes}
     for row in rows:
         mode_rows = table[row["mode"]]
-        # One bar per (shape, mode): the auto row wins over any other algo.
-        if row["shape"] not in mode_rows or row["algo"] == "auto":
-            mode_rows[row["shape"]] = row
+        # One bar per (group, mode): the auto row wins over any other algo.
+        if group(row) not in mode_rows or row["algo"] == "auto":
+            mode_rows[group(row)] = row
     return shapes, {mode: {shape: speedup_of(by_shape.get(shape)) for shape in shapes}
                     for mode, by_shape in table.items()}
 
@@ -49,7 +57,9 @@ def plot(rows, path: Path):
                      fontsize=7, padding=2)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
-    ax.set_xticks(range(len(shapes)), shapes)
+    long_names = max(map(len, shapes)) > 8  # the real sweep's names would overlap level
+    ax.set_xticks(range(len(shapes)), shapes, rotation=45 if long_names else 0,
+                  ha="right" if long_names else "center", fontsize=7 if long_names else None)
     ax.set_ylabel("speedup over eager PyTorch (x)")
     meta = rows[0]
     ax.set_title(f"fused_ops.ct_bn_pool speedup over eager PyTorch\n"

@@ -1,0 +1,49 @@
+#include "common/cuda/build_apart.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <array>
+#include <mutex>
+
+namespace fused_ops {
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+// One stream per device, created by this library and never destroyed. Not one of PyTorch's
+// pooled streams: CUDA graph trees route the allocations of their own stream to the graph's
+// pool, and a pooled stream could be that stream.
+c10::cuda::CUDAStream table_stream(c10::DeviceIndex index) {
+  static std::array<cudaStream_t, kMaxDevices> streams{};
+  static std::array<std::once_flag, kMaxDevices> made;
+  TORCH_CHECK(index >= 0 && index < kMaxDevices, "fused_ops supports CUDA devices 0 to ", kMaxDevices - 1);
+  std::call_once(made[index], [&] {
+    const c10::cuda::CUDAGuard guard(index);
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[index], cudaStreamNonBlocking));
+  });
+  return c10::cuda::getStreamFromExternal(streams[index], index);
+}
+
+}  // namespace
+
+// cudaStreamIsCapturing is one of the calls capture allows. The tables read nothing the
+// current stream writes (they depend on the geometry alone), so the build need not wait for it.
+bool build_tables_apart_cuda(const at::Device& device, c10::function_ref<void()> build) {
+  const c10::cuda::CUDAGuard guard(device);
+  const c10::cuda::CUDAStream current = at::cuda::getCurrentCUDAStream(device.index());
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(current.stream(), &status));
+  if (status != cudaStreamCaptureStatusNone) return false;
+  const c10::cuda::CUDAStream side = table_stream(device.index());
+  {
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    build();
+  }
+  side.synchronize();  // complete before any stream reads them
+  return true;
+}
+
+}  // namespace fused_ops

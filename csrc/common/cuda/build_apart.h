@@ -1,0 +1,11 @@
+#pragma once
+// Backend::build_tables_apart on CUDA (common/table_cache.h): cached tables built on a stream
+// of this library's own, outside any CUDA graph memory pool.
+#include <ATen/ATen.h>
+#include <c10/util/FunctionRef.h>
+
+namespace fused_ops {
+
+bool build_tables_apart_cuda(const at::Device& device, c10::function_ref<void()> build);
+
+}  // namespace fused_ops
