@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "common/geometry.h"
+#include "common/table_cache.h"
 #include "sums/finalize.h"
 #include "sums/sample_sums.h"
 #include "x_spectrum/x_spectrum.h"
@@ -96,10 +97,10 @@ struct Backend {
   // (real: lag_spectrum_phases) and out [A, M, C] complex128 (or, without `accumulate`,
   // complex64 where q is: the sums are float64, rounded once as stored), all contiguous.
   void (*lag_stage)(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate) = nullptr;
-  // The stream of `device` that a call's work is queued on, as an id that geometry-only
-  // tables may be cached under (table_cache.h), or -1 while that stream is being captured
-  // into a CUDA graph.
-  int64_t (*table_stream)(const at::Device& device) = nullptr;
+  // Runs a cached table's build outside any CUDA graph memory pool, complete on return;
+  // false, without running it, while `device`'s current stream is being captured
+  // (common/table_cache.h).
+  BuildApart build_tables_apart = nullptr;
   // R^ on the grid M from the D stage's output z_hat [Md, Mw, Lh', G, Cig, Cig]
   // complex128 (Lh' = k'_h: the lags m_h >= 0) and the phases [Mh, Lh'] complex128 of its
   // last step (§3.5): [Md, Mh, Mwh, G, Cig, Cig] complex128 (Mwh = Mw / 2 + 1), contiguous,

@@ -3,7 +3,8 @@ configuration family and algorithm, the module and the functional, against float
 import pytest
 import torch
 
-from conftest import TOL, Problem, make_input, make_models, relerr, skip_unless_algo_covers
+from conftest import (GRAD_TOL, TOL, Problem, assert_gradients_match, make_input, make_models, relerr,
+                      run_backward, skip_unless_algo_covers)
 from test_compile_export import FAMILIES, FUNCTIONAL_FAMILIES, FunctionalModel
 
 pytestmark = pytest.mark.cuda
@@ -120,3 +121,57 @@ def test_eval_replay_reads_weight_and_bn_inputs_anew():
         ref.double()
         graph.replay()
         assert relerr(static_out, ref(static_x.double().cpu())) <= 1e-6
+
+
+# torch.compile's CUDA graph trees: warm-up runs allocate from the graph's memory pool, and a
+# tensor left there (a cached table) is refused; the tables are built apart
+# (csrc/common/table_cache.h). Stride 1 without padding for the FFT and spectral paths, a
+# padded problem for the box-sum and border paths.
+OVERHEAD_PROBLEMS = {"plain": Problem(3, 4, 6, (5, 6, 7), (2, 3, 2)),
+                     "padded": Problem(3, 4, 6, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1))}
+OVERHEAD_MODES = [(False, "auto"), (True, "auto"), (True, "fft"), (True, "direct"),
+                  (True, "sliced_conv"), (True, "cross_spectrum"), (True, "border")]
+
+
+@pytest.mark.parametrize("mode", OVERHEAD_MODES,
+                         ids=[f"{'train' if t else 'eval'}-{a}" for t, a in OVERHEAD_MODES])
+@pytest.mark.parametrize("name", OVERHEAD_PROBLEMS)
+def test_compile_reduce_overhead(name, mode):
+    """Steps of torch.compile(mode="reduce-overhead") match the unfused modules' outputs and
+    state step by step, and run as CUDA graphs (none skipped)."""
+    from torch._dynamo.utils import counters
+
+    problem, (training, algo) = OVERHEAD_PROBLEMS[name], mode
+    skip_unless_algo_covers(problem, algo, "cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    ref, fused = make_models(problem, torch.float32, "cuda", algo=algo)
+    ref.train(training)
+    fused.train(training)
+    compiled = torch.compile(fused, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(4):  # warm-up, recording, then replays
+            x = make_input(problem, torch.float32, "cuda")
+            out = compiled(x).clone()  # a replay overwrites the graph's output
+            assert relerr(out, ref(x.double().cpu())) <= 1e-6
+            assert_same_state(fused, ref)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+
+
+def test_compile_reduce_overhead_training_step():
+    """Forward and backward of training steps under reduce-overhead: outputs, every gradient
+    and the state as the unfused modules' in float64 (TF32 off, as test_gradients)."""
+    problem = OVERHEAD_PROBLEMS["plain"]
+    torch._dynamo.reset()
+    ref, fused = make_models(problem, torch.float32, "cuda")
+    compiled = torch.compile(fused, mode="reduce-overhead")
+    for _ in range(4):
+        x = make_input(problem, torch.float32, "cuda")
+        grad_out = torch.randn(problem.batch, problem.out_channels, 1, 1, 1, dtype=torch.float64)
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            out, got = run_backward(compiled, x, grad_out.float().cuda())
+        want_out, want = run_backward(ref, x.double().cpu(), grad_out)
+        assert relerr(out, want_out) <= 1e-6
+        assert set(got) == set(want)
+        assert_gradients_match(got, want, GRAD_TOL[torch.float32])
+        assert_same_state(fused, ref)

@@ -359,7 +359,7 @@ struct RegionTables {
   std::vector<ValueGroup> groups;
 };
 
-// The tables of g's geometry, cached per stream (table_cache.h).
+// The tables of g's geometry, cached per device (table_cache.h).
 RegionTables region_tables(const Backend& backend, const ConvGeometry& g, const ConvGeometry& full,
                            const std::vector<Region>& rs, const at::Tensor& w) {
   static auto* cache = new TableCache<RegionTables>();  // never destroyed: CUDA tensors at exit
@@ -370,7 +370,7 @@ RegionTables region_tables(const Backend& backend, const ConvGeometry& g, const 
     key.insert(key.end(), {g.in_size[d], g.kernel[d], g.stride[d], g.dilation[d], g.padding[d],
                            g.output_padding[d]});
   }
-  return cache->get(std::move(key), w.device(), backend.table_stream(w.device()), [&] {
+  return cache->get(std::move(key), w.device(), backend.build_tables_apart, [&] {
     RegionTables tables;
     for (std::vector<size_t>& members : plane_groups(full, rs)) {
       std::vector<at::Tensor> index;

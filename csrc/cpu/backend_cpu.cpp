@@ -108,8 +108,11 @@ void finalize_cpu(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& o
   });
 }
 
-// The CPU runs a call's work as it is issued: one stream.
-int64_t table_stream_cpu(const at::Device&) { return 0; }
+// The CPU runs a call's work as it is issued, and has no graph memory pool to keep out of.
+bool build_tables_apart_cpu(const at::Device&, c10::function_ref<void()> build) {
+  build();
+  return true;
+}
 
 // Every hook by name (backend.h); the ones the CPU lacks are null, with the reason.
 const Backend kCpuBackend = [] {
@@ -124,7 +127,7 @@ const Backend kCpuBackend = [] {
   b.eval_sample_sums = nullptr;  // eval's sums are sample_sums'
   b.cross_spectrum_rows = cross_spectrum_rows_aten;
   b.lag_stage = lag_stage_aten;
-  b.table_stream = table_stream_cpu;
+  b.build_tables_apart = build_tables_apart_cpu;
   b.correlation_blocks = correlation_blocks_aten;
   b.quad_forms = quad_forms_aten;
   b.tap_spectrum = tap_spectrum_aten;

@@ -143,7 +143,7 @@ Tables build_tables(const ConvGeometry& g, const ConvGeometry& sub, const at::Te
   return t;
 }
 
-// The tables of g's geometry on x's device, cached per stream (table_cache.h); they do
+// The tables of g's geometry on x's device, cached per device (table_cache.h); they do
 // not depend on the batch, the channels or the dtype.
 Tables tables_for(const Backend& backend, const ConvGeometry& g, const ConvGeometry& sub,
                   const at::Tensor& x) {
@@ -153,7 +153,7 @@ Tables tables_for(const Backend& backend, const ConvGeometry& g, const ConvGeome
     key.insert(key.end(), {g.in_size[d], g.kernel[d], g.stride[d], g.dilation[d], g.padding[d],
                            g.output_padding[d]});
   }
-  return cache->get(std::move(key), x.device(), backend.table_stream(x.device()),
+  return cache->get(std::move(key), x.device(), backend.build_tables_apart,
                     [&] { return build_tables(g, sub, x.options()); });
 }
 

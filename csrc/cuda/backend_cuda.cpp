@@ -12,7 +12,7 @@
 #include "cross_spectrum/cuda/cross_spectrum_kernels.h"
 #include "border/cuda/border_kernels.h"
 #include "x_spectrum/cuda/x_spectrum_kernels.h"
-#include "common/cuda/table_stream.h"
+#include "common/cuda/build_apart.h"
 #include "dispatch.h"
 #include "fft/cuda/fft.h"
 
@@ -92,7 +92,7 @@ const Backend kCudaBackend = [] {
   b.eval_sample_sums = eval_sample_sums_cuda;
   b.cross_spectrum_rows = cross_spectrum_rows_cuda;
   b.lag_stage = lag_stage_cuda;
-  b.table_stream = table_stream_cuda;
+  b.build_tables_apart = build_tables_apart_cuda;
   b.correlation_blocks = correlation_blocks_cuda;
   b.quad_forms = quad_forms_cuda;
   b.tap_spectrum = tap_spectrum_cuda;

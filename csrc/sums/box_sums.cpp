@@ -17,7 +17,7 @@ struct Masks {
   at::Tensor dim[3];
 };
 
-// The three masks of g's geometry on x's device, cached per stream (table_cache.h): built at
+// The three masks of g's geometry on x's device, cached per device (table_cache.h): built at
 // every call they would be about 20 small kernels, most of the padded sums' GPU time on a
 // small problem (docs/performance.md).
 Masks masks_for(const Backend& backend, const ConvGeometry& g, const at::Tensor& x) {
@@ -26,7 +26,7 @@ Masks masks_for(const Backend& backend, const ConvGeometry& g, const at::Tensor&
   for (int d = 0; d < 3; ++d) {
     key.insert(key.end(), {g.in_size[d], g.kernel[d], g.stride[d], g.dilation[d], g.padding[d], g.out_size[d]});
   }
-  return cache->get(std::move(key), x.device(), backend.table_stream(x.device()), [&] {
+  return cache->get(std::move(key), x.device(), backend.build_tables_apart, [&] {
     Masks m;
     for (int d = 0; d < 3; ++d) m.dim[d] = landing_mask(g, d, x.options());
     return m;

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "common/cuda/dynamic_smem.h"
-#include "common/cuda/table_stream.h"
+#include "common/cuda/build_apart.h"
 #include "x_spectrum/cuda/x_spectrum_kernels.h"
 #include "common/cuda/pdl.cuh"
 #include "common/cuda/reduce.cuh"
@@ -678,11 +678,11 @@ void launch_depth(const Plan& p, const DepthArgs& args, int64_t blocks, int64_t 
   }
 }
 
-// The plan's tables on x's device, cached per stream (table_cache.h).
+// The plan's tables on x's device, cached per device (table_cache.h).
 at::Tensor tables_for(const Plan& p, const at::Tensor& x, at::ScalarType complex) {
   static auto* cache = new TableCache<at::Tensor>();  // never destroyed: CUDA tensors at exit
   std::vector<int64_t> key = {p.d, p.h, p.w, p.ld, p.lh, p.lw, p.w_bin_tile, static_cast<int64_t>(complex)};
-  return cache->get(std::move(key), x.device(), table_stream_cuda(x.device()),
+  return cache->get(std::move(key), x.device(), build_tables_apart_cuda,
                     [&] { return build_tables(p, x.options(), complex); });
 }
 
