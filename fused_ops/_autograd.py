@@ -1,8 +1,10 @@
 """Autograd for ``fused_ops::ct_bn_pool``: the closed-form backward of ``docs/math.md`` §6.
 
-The backward is made of ATen ops only (a recomputed transposed convolution, reductions and
-``aten.convolution_backward``), so AOTAutograd traces it and ``torch.compile`` compiles
-modules whose parameters require grad.
+The backward is made of ATen ops only, so AOTAutograd traces it and ``torch.compile``
+compiles modules whose parameters require grad: in eval mode, contractions of x and the
+weight with the per-dimension tap masks (``_box_sums.py``; no convolution, nothing of the
+convolution output's size); in training mode, a recomputed transposed convolution,
+reductions and ``aten.convolution_backward``.
 
 Why not ``torch.library.register_autograd``: it refuses operators whose schema mutates an
 input ("Cannot register autograd formula for non-functional operator"), and ct_bn_pool
@@ -10,24 +12,28 @@ writes ``running_mean``/``running_var`` (``Tensor(a!)?``). So the two kernels th
 ``register_autograd`` and ``torch.library.custom_op`` would register are registered
 directly:
 
-- ``Autograd`` (here, in Python): an ``autograd.Function`` around the op when an input
-  requires grad, the op alone otherwise;
+- ``Autograd``: an ``autograd.Function`` around the op when a gradient can flow (Python,
+  here), the op alone otherwise (C++; see below);
 - ``ADInplaceOrView`` (``csrc/ops.cpp``, in C++ since it runs on every call): bumps the
   running statistics' version counters when the call writes them (``training=True``), as
   every in-place op does, so that autograd detects a saved tensor changed under it. Eval
   mode does not write them and does not bump them: a bump would invalidate, for nothing,
   graphs that saved them.
 
-The Python kernel runs on every call from Python, also under ``torch.no_grad()`` (host
-time; ``docs/performance.md``), unless autograd is off for the tensors
-(``torch.inference_mode``).
+The Python kernel runs only when a gradient can flow (grad mode on and an input requiring
+grad): ct_bn_pool's own Autograd kernel is C++ (``csrc/ops.cpp``), which goes below autograd
+at once otherwise and else calls the overload ``_ct_bn_pool_differentiable`` of the same
+schema, on which the Python kernel below is registered. Every inference call, also under
+``torch.no_grad()``, thus stays in C++ (host time; ``docs/performance.md``).
 
 PyTorch's compile caches (FX graph, AOTAutograd) key on the traced graph, not on these
-kernels: after changing this file, clear them or set ``TORCHINDUCTOR_FX_GRAPH_CACHE=0
-TORCHINDUCTOR_AUTOGRAD_CACHE=0``, or a compiled backward of the old formula may be reused.
+kernels: after changing this file or ``_box_sums.py``, clear them or set
+``TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0``, or a compiled backward of
+the old formula may be reused.
 
 Dtypes (docs/math.md §5): tensors of x's or the conv output's size stay in x's dtype, as in
-PyTorch's own backward of the unfused modules; per-channel and weight-sized quantities are
+PyTorch's own backward of the unfused modules (eval: the contractions over x's H and W planes,
+``_box_sums.py``); per-channel, weight-sized and per-tap quantities are
 computed in float32 for float16/bfloat16 inputs (in the inputs' dtype otherwise); each
 gradient is returned in its input's dtype (BatchNorm's may be float32 for a float16 x).
 
@@ -37,6 +43,7 @@ keep the C++ not-implemented fallback (``csrc/ops.cpp``): a backward through the
 import torch
 from torch import Tensor
 
+from . import _box_sums
 from .distributed import out_size
 
 _LIB = torch.library.Library("fused_ops", "IMPL")  # kept alive: registrations live as long as it
@@ -148,9 +155,30 @@ def _convolution_backward(ctx, grad_y, x, weight, need_x, need_weight):
         c["output_padding"], c["groups"], [need_x, need_weight, False])[:2]
 
 
+def _grouped(per_sample: Tensor, groups: int) -> Tensor:
+    """[B, C, ...] as [B, groups, C / groups, ...]."""
+    return per_sample.unflatten(1, (groups, -1))
+
+
+def _weight_gradient_sums(g: Tensor, taps: Tensor, weight: Tensor, groups: int) -> Tensor:
+    """G[ci, c, k] = sum_b g[b, c] T[b, ci, k] over the pairs (ci, c) of a group, laid out
+    like the weight."""
+    sums = torch.einsum("bgo,bgik->giok", _grouped(g, groups), _grouped(taps.flatten(2), groups))
+    return sums.reshape(weight.shape)
+
+
+def _input_gradient_taps(gk: Tensor, weight: Tensor, groups: int) -> Tensor:
+    """H[b, ci, k] = sum_c gk[b, c] weight[ci, c, k] over a group's output channels:
+    [B, Ci, kD, kH, kW]."""
+    by_group = weight.flatten(2).unflatten(0, (groups, -1))  # [G, Ci/G, Co/G, K]
+    taps = torch.einsum("bgo,giok->bgik", _grouped(gk, groups), by_group)
+    return taps.reshape(gk.shape[0], weight.shape[0], *weight.shape[2:])
+
+
 def _eval_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, running_mean, running_var):
-    """docs/math.md §6.1: the gradient wrt y is constant over positions, per (b, c)."""
-    compute = _compute_dtype(x.dtype)
+    """docs/math.md §6.1: the gradient wrt y is constant over positions, per (b, c), so x's
+    and the weight's come from x's box sums per tap and their transpose, no convolution."""
+    compute, groups = _compute_dtype(x.dtype), ctx.conv["groups"]
     g = grad_out.flatten(1).to(compute)  # [B, C]
     size = out_size(x, weight, ctx.conv["stride"], ctx.conv["padding"],
                     ctx.conv["output_padding"], ctx.conv["dilation"])
@@ -162,25 +190,20 @@ def _eval_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, running_mean, 
     g_sum = g.sum(0)
     grads = {"bn_bias": g_sum, "bias": g_sum * gain * ctx.scale}
     need_sums = needs["weight"] or needs["bn_weight"]
-    if needs["x"] or need_sums:
-        # One call: the input gradient of g spread over the positions, with the weight
-        # scaled by coef per output channel, is grad_x; the weight gradient of the unscaled
-        # g is G[ci, c, k] = sum_b g[b, c] T[b, ci, k] (§6.1), which both grad_weight and
-        # grad_bn_weight are made of. expand: no [B, C, Do, Ho, Wo] tensor is written here
-        # (convolution_backward may make one contiguous). Its operands are in x's dtype.
-        g_field = grad_out.expand(*g.shape, *size)
-        weight_c = weight.to(compute)
-        scaled = weight
-        if needs["x"]:
-            scaled = (weight_c * _per_weight(coef, weight, ctx.conv["groups"])).to(weight.dtype)
-        grads["x"], tap_sums = _convolution_backward(ctx, g_field, x, scaled, needs["x"],
-                                                     need_sums)
-        if need_sums:
-            tap_sums = tap_sums.to(compute)
+    if not (needs["x"] or need_sums):
+        return grads
+    masks = _box_sums.tap_masks(x, weight, size, ctx.conv, compute)
+    weight_c = weight.to(compute)
+    if needs["x"]:
+        taps = _input_gradient_taps(g * coef, weight_c, groups)
+        grads["x"] = _box_sums.spread(taps, masks, x.dtype)
+    if need_sums:
+        tap_sums = _weight_gradient_sums(g, _box_sums.box_sums(x, masks, compute), weight,
+                                         groups)
         if needs["weight"]:
-            grads["weight"] = tap_sums * _per_weight(coef, weight, ctx.conv["groups"])
+            grads["weight"] = tap_sums * _per_weight(coef, weight, groups)
         if needs["bn_weight"]:
-            g_dot_sums = _per_channel(weight_c * tap_sums, ctx.conv["groups"])  # sum_b g S
+            g_dot_sums = _per_channel(weight_c * tap_sums, groups)  # sum_b g S
             mean = running_mean.to(compute)
             shift = -mean if bias is None else bias.to(compute) * ctx.scale - mean
             grads["bn_weight"] = inv_std * (g_dot_sums * (ctx.scale / positions) + shift * g_sum)
@@ -258,5 +281,8 @@ def _ct_bn_pool_no_stats_autograd(keyset, *args, **kwargs):
     return _redispatch_below_autograd("no_stats", keyset, args, kwargs)
 
 
-_LIB.impl("ct_bn_pool", _ct_bn_pool_autograd, "Autograd", with_keyset=True)
-_LIB.impl("ct_bn_pool.no_stats", _ct_bn_pool_no_stats_autograd, "Autograd", with_keyset=True)
+# ct_bn_pool's own Autograd kernel (csrc/ops.cpp) calls these overloads when a gradient can
+# flow, and goes below autograd in C++ otherwise.
+_LIB.impl("_ct_bn_pool_differentiable", _ct_bn_pool_autograd, "Autograd", with_keyset=True)
+_LIB.impl("_ct_bn_pool_differentiable.no_stats", _ct_bn_pool_no_stats_autograd, "Autograd",
+          with_keyset=True)

@@ -9,10 +9,12 @@ from . import distributed
 
 IntOrTriple = Union[int, Sequence[int]]
 
-def _triple(value: IntOrTriple, name: str) -> list:
+def _triple(value: IntOrTriple, name: str) -> tuple:
+    if type(value) is tuple and len(value) == 3 and all(type(v) is int for v in value):
+        return value  # ConvTranspose3d's own form: the common case, checked cheaply
     if isinstance(value, int) and not isinstance(value, bool):
-        return [value] * 3
-    items = list(value)
+        return (value,) * 3
+    items = tuple(value)
     if len(items) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
         raise ValueError(f"ct_bn_pool: {name} must be an int or 3 ints (D, H, W), got {value!r}")
     return items
@@ -103,14 +105,24 @@ def ct_bn_pool(
                 dilation=_triple(dilation, "dilation"), groups=int(groups), algo=algo)
     if process_group is not None:
         distributed.check_process_group(process_group)
-        if training and torch.distributed.get_world_size(process_group) > 1:
-            return distributed.synced_ct_bn_pool(
-                x, weight, bias, float(scale), bn_weight, bn_bias, running_mean, running_var,
-                float(momentum), float(eps), process_group=process_group, **conv)
+    return call_op(x, weight, bias, float(scale), bn_weight, bn_bias, running_mean, running_var,
+                   bool(training), float(momentum), float(eps), conv, process_group)
+
+
+_OP = torch.ops.fused_ops.ct_bn_pool.default
+_OP_NO_STATS = torch.ops.fused_ops.ct_bn_pool.no_stats
+
+
+def call_op(x, weight, bias, scale: float, bn_weight, bn_bias, running_mean, running_var,
+            training: bool, momentum: float, eps: float, conv: dict, process_group=None):
+    """The op for checked arguments (:func:`ct_bn_pool`'s, ``conv`` its keywords from
+    ``stride`` to ``algo``): the path every call takes, kept lean (host time, docs/performance.md)."""
+    if process_group is not None and training and torch.distributed.get_world_size(process_group) > 1:
+        return distributed.synced_ct_bn_pool(
+            x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+            momentum, eps, process_group=process_group, **conv)
     if training and running_mean is None and running_var is None:
         # Nothing to update: the overload without running statistics (csrc/ops.cpp).
-        return torch.ops.fused_ops.ct_bn_pool.no_stats(
-            x, weight, bias, float(scale), bn_weight, bn_bias, float(eps), **conv)
-    return torch.ops.fused_ops.ct_bn_pool(
-        x, weight, bias, float(scale), bn_weight, bn_bias, running_mean, running_var,
-        bool(training), float(momentum), float(eps), **conv)
+        return _OP_NO_STATS(x, weight, bias, scale, bn_weight, bn_bias, eps, **conv)
+    return _OP(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var, training,
+               momentum, eps, **conv)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import fx, nn
 
 from .distributed import check_process_group
-from .functional import ct_bn_pool
+from .functional import call_op
 
 
 class ConvTransposeBNPool3d(nn.Module):
@@ -204,16 +204,21 @@ def ct_bn_pool_by_module(x, weight, bias, scale, bn, training, process_group=Non
     if bn.momentum is None:
         factor = 1.0 / float(bn.num_batches_tracked + 1) if counting else 0.0
     else:
-        factor = bn.momentum
+        factor = float(bn.momentum)
     use_batch_stats = training or (bn.running_mean is None and bn.running_var is None)
     track = not training or bn.track_running_stats
-    out = ct_bn_pool(
-        x, weight, bias, scale, bn.weight, bn.bias,
-        bn.running_mean if track else None, bn.running_var if track else None,
-        use_batch_stats, factor, bn.eps,
-        # nn.SyncBatchNorm syncs only in training mode (not for eval without running stats).
-        process_group=batch_norm_sync_group(bn, process_group) if training else None,
-        **options)
+    # nn.SyncBatchNorm syncs only in training mode (not for eval without running stats).
+    group = batch_norm_sync_group(bn, process_group) if training else None
+    if group is not None:
+        check_process_group(group)
+    # The modules' options are ConvTranspose3d's own (checked by it): the op's lean path.
+    out = call_op(x, weight, bias, float(scale), bn.weight, bn.bias,
+                  bn.running_mean if track else None, bn.running_var if track else None,
+                  use_batch_stats, factor, float(bn.eps), dict(_OP_DEFAULTS, **options), group)
     if counting:
         bn.num_batches_tracked.add_(1)
     return out
+
+
+# ct_bn_pool's keyword arguments when not given (csrc/ops.cpp's schema).
+_OP_DEFAULTS = dict(stride=1, padding=0, output_padding=0, dilation=1, groups=1, algo="auto")

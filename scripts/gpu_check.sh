@@ -5,7 +5,7 @@
 # scripts/sanitize_cases.py and the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [ncu-cross] [bench] [bench-full]
 #                        [bench-strided] [bench-train] [bench-small] [bench-padded] [bench-eval]
-#                        [memory-format] [wall] [dist] [bench-compare]
+#                        [bench-real] [host] [memory-format] [wall] [dist] [bench-compare]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes);
 # PYTEST_K="expr" passes -k expr to pytest (default "not cpu": the CPU-parametrized cases are
@@ -118,6 +118,18 @@ fi
 if want bench; then
   step bench
   run_bench bench-seed 20 --problems seed --no-compile --algos auto,fft,sliced_conv --out "$OUT"
+fi
+if want bench-real; then
+  step bench-real
+  # The real-layer sweep (decoder families, batch 1 to 32, float32 and bfloat16): GPU time,
+  # eager-loop time, peak memory and accuracy of both modes against eager in one run.
+  python3 "$REPO/bench/check_problems.py" >"$OUT/check-problems.log" 2>&1 || { status=1; tail -5 "$OUT/check-problems.log"; }
+  run_bench bench-real 70 --sweep real --dtypes float32,bfloat16 --modes eval,train --no-compile --out "$OUT/real"
+fi
+if want host; then
+  step host
+  # Host time per call (issue, ATen ops, the op's dispatch) by the CPU profiler.
+  python3 scripts/host_time.py 2>&1 | grep -v -E "^(USDT|ERROR|WARNING):" | tee "$OUT/host.log" || status=1
 fi
 if want bench-strided; then
   step bench-strided

@@ -1,13 +1,17 @@
 """ct_bn_pool's backward (docs/math.md §6) against the unfused PyTorch modules run in float64
 on the same rounded values: every parameter's gradient and x's, in both modes, for float64,
 float32 (within 1e-5) and float16/bfloat16 inputs (each gradient in its tensor's dtype);
-gradcheck and gradgradcheck; what is computed when only some inputs require grad; and the
-running statistics' version counters."""
+gradcheck and gradgradcheck; what is computed when only some inputs require grad; an eval
+backward that runs no convolution and makes no tensor of the convolution output's size; and
+the running statistics' version counters."""
 import contextlib
+import math
 
 import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import fused_ops
 from conftest import (DEVICES, GRAD_TOL, HALF_TYPES, Problem, assert_gradients_match,
@@ -25,6 +29,9 @@ PROBLEMS = [
     Problem(3, 4, 6, (4, 3, 5), (3, 2, 3), scale=-2.0, eps=0.1, conv_kwargs=dict(
         stride=(1, 2, 3), padding=(1, 0, 2), output_padding=(0, 1, 2), dilation=(2, 1, 1),
         groups=2)),
+    # A kernel wider than x, and padding that keeps some taps from reaching the output.
+    Problem(2, 4, 6, (1, 2, 3), (4, 3, 5), conv_kwargs=dict(
+        stride=(2, 1, 2), padding=(1, 1, 2), output_padding=(1, 0, 1), dilation=(1, 2, 1))),
     Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(bias=False)),
     Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), bn_kwargs=dict(affine=False)),
     # Running statistics None: batch statistics in both module modes.
@@ -121,6 +128,52 @@ def test_one_input_requiring_grad_gets_the_same_gradient(name, training):
     alone = {k: v.detach().requires_grad_(k == name) for k, v in tensors.items()}
     (grad,) = torch.autograd.grad(call(alone, rest), alone[name], grad_out)
     torch.testing.assert_close(grad, everything[list(tensors).index(name)], rtol=1e-10, atol=0)
+
+
+class _OpRecorder(TorchDispatchMode):
+    """The name and largest tensor output (numel) of every ATen op run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.ops.append((func.overloadpacket.__name__, max(sizes, default=0)))
+        return out
+
+
+# Stride 3 and a wide kernel make the conv output many times the size of x and the weight.
+WIDE = Problem(2, 3, 4, (4, 4, 4), (5, 5, 5), conv_kwargs=dict(stride=3, padding=1,
+                                                                output_padding=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+@pytest.mark.parametrize("requested", [("x",), ("weight",), ("bn_weight",),
+                                       ("x", "weight", "bias", "bn_weight", "bn_bias")],
+                         ids="-".join)
+def test_eval_backward_is_conv_free(requested, dtype):
+    """docs/math.md §6.1: eval's backward is contractions of x and the weight with the tap
+    masks; no convolution, and no op output beyond twice the larger of x and the weight
+    (the conv output here is several times that)."""
+    _, fused = make_dtype_models(WIDE, dtype, dtype)
+    fused.eval()
+    x = make_input(WIDE, dtype).requires_grad_("x" in requested)
+    params = dict(weight=fused.conv_transpose.weight, bias=fused.conv_transpose.bias,
+                  bn_weight=fused.batch_norm.weight, bn_bias=fused.batch_norm.bias)
+    for name, param in params.items():
+        param.requires_grad_(name in requested)
+    inputs = [x] * ("x" in requested) + [p for n, p in params.items() if n in requested]
+    out = fused(x)
+    bound = 2 * max(x.numel(), fused.conv_transpose.weight.numel())
+    assert WIDE.batch * WIDE.out_channels * math.prod(WIDE.out_size()) > 4 * bound
+    with _OpRecorder() as recorder:
+        grads = torch.autograd.grad(out, inputs, torch.randn_like(out))
+    names = {name for name, _ in recorder.ops}
+    assert not {n for n in names if "convolution" in n}, names
+    assert max(size for _, size in recorder.ops) <= bound, recorder.ops
+    assert all(g.shape == i.shape for g, i in zip(grads, inputs))
 
 
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
