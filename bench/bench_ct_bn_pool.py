@@ -2,14 +2,16 @@
 """Benchmark of fused_ops.ct_bn_pool against PyTorch eager and torch.compile.
 
     python bench/bench_ct_bn_pool.py [--device cuda|cpu] [--sweep seed|real] [--problems seed,b4,...]
-        [--modes eval,train] [--dtypes float32,bfloat16] [--reps N] [--no-compile]
-        [--algos auto,fft,direct,sliced_conv] [--memory-format contiguous|channels_last_3d]
-        [--out bench/results]
+        [--modes eval,train] [--passes forward,step] [--dtypes float32,bfloat16] [--reps N]
+        [--no-compile] [--algos auto,fft,direct,sliced_conv]
+        [--memory-format contiguous|channels_last_3d] [--out bench/results]
 
-For every problem, dtype and mode it times the unfused PyTorch module (eager and
-torch.compile) and the fused module, per call and as an eager loop, checks both against a
-float64 run of the same module, and writes one JSON row per (problem, dtype, mode, algo) to
-<out>/<gpu>-<date>[-real].json. Problems: bench/problems.py. See bench/README.md.
+For every problem, dtype, mode and pass (forward: one call under torch.no_grad(); step: a
+training step, forward with gradients then backward) it times the unfused PyTorch module
+(eager and torch.compile) and the fused module, per call and as an eager loop, checks both
+against a float64 run of the same module, and writes one JSON row per (problem, dtype, mode,
+pass, algo) to <out>/<gpu>-<date>[-real][-step].json. Problems: bench/problems.py. See
+bench/README.md.
 """
 import argparse
 import copy
@@ -33,6 +35,9 @@ from problems import ALL_PROBLEMS, REAL_CUDA, SEED_CUDA, SWEEPS, Problem, defaul
 
 SCALE = 2.0
 MODES = ("eval", "train")
+PASS_NAMES = ("forward", "step")
+# The gradients a step computes, in the order step_grads returns them.
+GRAD_NAMES = ("x", "conv_weight", "conv_bias", "bn_weight", "bn_bias")
 ALGOS = ("auto", "fft", "direct", "sliced_conv", "correlation", "cross_spectrum", "border")
 MEMORY_FORMATS = ("contiguous", "channels_last_3d")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,6 +99,34 @@ def one_call(module: nn.Module, x: torch.Tensor, dtype=None):
     if dtype is not None:
         module, x = module.to(dtype), x.to(dtype)
     return module(x), module.batch_norm.running_var.clone()
+
+
+def step_grads(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, dtype=None) -> dict:
+    """The gradients (GRAD_NAMES) of one training step of a copy of module on x, with
+    grad as out's gradient; module is left untouched."""
+    module = copy.deepcopy(module)
+    if dtype is not None:
+        module, x, grad = module.to(dtype), x.to(dtype), grad.to(dtype)
+    module.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    module(x).backward(grad)
+    conv, bn = module.conv_transpose, module.batch_norm
+    return dict(zip(GRAD_NAMES, (x.grad, conv.weight.grad, conv.bias.grad, bn.weight.grad,
+                                 bn.bias.grad)))
+
+
+def grad_relerrs(got: dict, expected: dict, train: bool) -> dict:
+    """relerr of each gradient against float64. In training mode the conv bias's exact
+    gradient is 0 (the batch mean removes the bias), so a relerr is undefined: its norm
+    relative to the largest reference gradient's norm instead."""
+    largest = max(g.double().norm().item() for g in expected.values())
+    errors = {}
+    for name, ref in expected.items():
+        if train and name == "conv_bias":
+            errors[name] = 0.0 if got[name] is None else got[name].double().norm().item() / largest
+        else:
+            errors[name] = relerr(got[name], ref)
+    return errors
 
 
 def build_modules(problem: Problem, device):
@@ -161,7 +194,8 @@ def bandwidth_stats(fused, ring: InputRing, x_bytes: int, clock: CudaClock) -> d
 
 ROW_KEYS = ("eager_ms", "compile_ms", "fused_ms", "speedup", "eager_loop_us", "fused_loop_us",
             "loop_speedup", "host_us", "relerr_fp64", "eager_relerr_fp64", "relerr_running_var",
-            "eager_relerr_running_var", "peak_mib", "eager_peak_mib", "reps", "loop_calls",
+            "eager_relerr_running_var", "grad_relerr", "eager_grad_relerr", "grad_relerrs",
+            "eager_grad_relerrs", "peak_mib", "eager_peak_mib", "reps", "loop_calls",
             "late_calls", "error")
 
 
@@ -169,9 +203,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def new_row(name, problem: Problem, mode, algo, dtype, meta) -> dict:
+def new_row(name, problem: Problem, mode, pass_name, algo, dtype, meta) -> dict:
     row = {"shape": name, "dims": problem._asdict(), "scale": SCALE, "dtype": dtype_name(dtype),
-           "mode": mode, "algo": algo}
+           "mode": mode, "pass": pass_name, "algo": algo}
     row.update(dict.fromkeys(ROW_KEYS))
     row.update(meta)
     return row
@@ -185,6 +219,7 @@ class Setup(NamedTuple):
     state: dict                    # the starting state_dict of both
     ring: InputRing                # the timed inputs
     x_check: torch.Tensor          # the accuracy check's input
+    grad: torch.Tensor             # out's gradient in every step (timed and checked)
     dtype: torch.dtype
 
 
@@ -198,16 +233,77 @@ def setup_problem(name, problem: Problem, modules, dtype, args) -> Setup:
                                           or name in args.compile_problems.split(","))
     ring = InputRing(shape, args.device, min_ring_bytes, args.memory_format, dtype)
     x_check = torch.randn(math.prod(shape), device=args.device, dtype=dtype)
+    # In dtype, as x_check: the float64 run sees the same values, so errors measure the step.
+    grad = torch.randn(problem.B, problem.Co, 1, 1, 1, device=args.device, dtype=dtype)
     return Setup(ref, fused, torch.compile(ref, dynamic=False) if compile_it else None,
                  copy.deepcopy(ref.state_dict()), ring,
-                 as_memory_format(x_check, shape, args.memory_format), dtype)
+                 as_memory_format(x_check, shape, args.memory_format), grad, dtype)
 
 
-def set_accuracy(row, prefix, got, expected, train):
-    """relerr of one call's output (and running_var in train mode) against float64."""
-    if got is not None and expected is not None:
-        row[prefix + "relerr_fp64"] = relerr(got[0], expected[0])
-        row[prefix + "relerr_running_var"] = relerr(got[1], expected[1]) if train else None
+class ForwardPass:
+    """One call of the module under torch.no_grad(): output and running statistics."""
+    name = "forward"
+    grad_mode = torch.no_grad
+
+    def __init__(self, setup: Setup):
+        self.setup = setup
+
+    def calls(self, fn: Callable, module: nn.Module):
+        """(timed call, its input supplier, an eager loop's call) for fn, which runs module."""
+        return fn, self.setup.ring.next, fn
+
+    def check(self, module: nn.Module, dtype=None):
+        return one_call(module, self.setup.x_check, dtype)
+
+    @staticmethod
+    def set_accuracy(row, prefix, got, expected):
+        """relerr of one call's output (and running_var in train mode) against float64."""
+        if got is not None and expected is not None:
+            row[prefix + "relerr_fp64"] = relerr(got[0], expected[0])
+            train = row["mode"] == "train"
+            row[prefix + "relerr_running_var"] = relerr(got[1], expected[1]) if train else None
+
+
+class StepPass(ForwardPass):
+    """One training step: the forward with gradients for x and the parameters, then
+    out.backward(grad). The parameters' grads are set to None before each step, as by
+    optimizer.zero_grad(), so each step allocates them rather than accumulating."""
+    name = "step"
+    grad_mode = torch.enable_grad
+
+    def calls(self, fn: Callable, module: nn.Module):
+        grad, ring = self.setup.grad, self.setup.ring
+
+        def step(x):
+            # A fresh leaf per step: x's gradient is computed, as for a layer inside a
+            # network, and freed with the leaf rather than kept on the rotated input.
+            fn(x.detach().requires_grad_()).backward(grad)
+
+        def next_input():  # called outside the timed region
+            module.zero_grad(set_to_none=True)
+            return ring.next()
+
+        def loop_step(x):  # a loop's inputs are taken up front: each step zeroes for itself
+            module.zero_grad(set_to_none=True)
+            step(x)
+        return step, next_input, loop_step
+
+    def check(self, module: nn.Module, dtype=None):
+        return step_grads(module, self.setup.x_check, self.setup.grad, dtype)
+
+    @staticmethod
+    def set_accuracy(row, prefix, got, expected):
+        """Each gradient's error (grad_relerrs) and the largest, the train-mode conv bias's
+        (exactly 0) left out of the largest."""
+        if got is not None and expected is not None:
+            train = row["mode"] == "train"
+            errors = grad_relerrs(got, expected, train)
+            row[prefix + "grad_relerrs"] = errors
+            row[prefix + "grad_relerr"] = max(error for name, error in errors.items()
+                                              if not (train and name == "conv_bias"))
+
+
+PASSES = {"forward": ForwardPass, "step": StepPass}
 
 
 def ms_of(timing: Optional[Timing]):
@@ -218,18 +314,18 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a and b else None
 
 
-def time_loop(errors, what, clock: Clock, fn, ring: InputRing, timing: Optional[Timing]):
+def time_loop(errors, what, clock: Clock, fn, next_input, timing: Optional[Timing]):
     """(wall µs per call of an eager loop, calls per loop), or Nones if timing failed."""
     if timing is None:
         return None, None
     calls = loop_calls(timing)
-    return attempt(errors, what, lambda: clock.loop_us(fn, ring.next, calls)), calls
+    return attempt(errors, what, lambda: clock.loop_us(fn, next_input, calls)), calls
 
 
 class Baseline(NamedTuple):
     """The unfused module's measurements, shared by the rows of one (problem, dtype, mode)."""
-    expected: Optional[tuple]   # float64 output and running_var of one call
-    out: Optional[tuple]        # the same, in the module's dtype
+    expected: object            # the pass's float64 check (ForwardPass.check, StepPass.check)
+    out: object                 # the same, in the module's dtype
     eager: Optional[Timing]
     loop_us: Optional[float]
     loop_calls: Optional[int]
@@ -237,27 +333,31 @@ class Baseline(NamedTuple):
     compiled: Optional[Timing]
 
 
-def measure_baseline(errors, setup: Setup, args, clock: Clock) -> Baseline:
-    ref, ring = setup.ref, setup.ring
-    expected = attempt(errors, "float64 reference", lambda: one_call(ref, setup.x_check, torch.float64))
-    out = attempt(errors, "eager accuracy", lambda: one_call(ref, setup.x_check))
-    eager = attempt(errors, "eager", lambda: clock.measure(ref, ring.next, args.reps))
-    loop_us, calls = time_loop(errors, "eager loop", clock, ref, ring, eager)
-    peak = attempt(errors, "eager peak", lambda: clock.peak_mib(ref, ring.next()))
+def measure_baseline(errors, setup: Setup, pass_: ForwardPass, args, clock: Clock) -> Baseline:
+    ref = setup.ref
+    expected = attempt(errors, "float64 reference", lambda: pass_.check(ref, torch.float64))
+    out = attempt(errors, "eager accuracy", lambda: pass_.check(ref))
+    call, next_input, loop_call = pass_.calls(ref, ref)
+    eager = attempt(errors, "eager", lambda: clock.measure(call, next_input, args.reps))
+    loop_us, calls = time_loop(errors, "eager loop", clock, loop_call, next_input, eager)
+    peak = attempt(errors, "eager peak", lambda: clock.peak_mib(call, next_input()))
     comp = None
     if setup.compiled is not None:
-        comp = attempt(errors, "compile", lambda: clock.measure(setup.compiled, ring.next, args.reps))
+        call, next_input, _ = pass_.calls(setup.compiled, ref)  # compiled shares ref's parameters
+        comp = attempt(errors, "compile", lambda: clock.measure(call, next_input, args.reps))
     return Baseline(expected, out, eager, loop_us, calls, peak, comp)
 
 
-def fused_row(row: dict, base: Baseline, errors, setup: Setup, args, clock: Clock) -> dict:
+def fused_row(row: dict, base: Baseline, errors, setup: Setup, pass_: ForwardPass, args,
+              clock: Clock) -> dict:
     """Fills row (a new_row) with the fused module's measurements at row's algo."""
-    fused, ring, algo = setup.fused, setup.ring, row["algo"]
+    fused, algo = setup.fused, row["algo"]
     fused.load_state_dict(setup.state)
     fused.algo = algo
-    got = attempt(errors, f"fused accuracy ({algo})", lambda: one_call(fused, setup.x_check))
-    timing = attempt(errors, f"fused ({algo})", lambda: clock.measure(fused, ring.next, args.reps))
-    loop_us, calls = time_loop(errors, f"fused loop ({algo})", clock, fused, ring, timing)
+    got = attempt(errors, f"fused accuracy ({algo})", lambda: pass_.check(fused))
+    call, next_input, loop_call = pass_.calls(fused, fused)
+    timing = attempt(errors, f"fused ({algo})", lambda: clock.measure(call, next_input, args.reps))
+    loop_us, calls = time_loop(errors, f"fused loop ({algo})", clock, loop_call, next_input, timing)
     eager = base.eager
     row.update(eager_ms=ms_of(eager), compile_ms=ms_of(base.compiled), fused_ms=ms_of(timing),
                speedup=ratio(ms_of(eager), ms_of(timing)), eager_loop_us=base.loop_us,
@@ -268,37 +368,48 @@ def fused_row(row: dict, base: Baseline, errors, setup: Setup, args, clock: Cloc
                loop_calls={"eager": base.loop_calls, "fused": calls},
                late_calls={"eager": eager and eager.late, "compile": base.compiled and base.compiled.late,
                            "fused": timing and timing.late})
-    row["peak_mib"] = attempt(errors, f"fused peak ({algo})", lambda: clock.peak_mib(fused, ring.next()))
-    train = row["mode"] == "train"
-    set_accuracy(row, "", got, base.expected, train)
-    set_accuracy(row, "eager_", base.out, base.expected, train)
+    row["peak_mib"] = attempt(errors, f"fused peak ({algo})",
+                              lambda: clock.peak_mib(call, next_input()))
+    pass_.set_accuracy(row, "", got, base.expected)
+    pass_.set_accuracy(row, "eager_", base.out, base.expected)
     return row
 
 
-def bench_mode(name, problem, mode, args, clock, meta, setup: Setup) -> List[dict]:
-    """The rows of one (problem, dtype, mode): eager and compile once, the fused module per algo."""
-    errors = []
+def bench_pass(name, problem, mode, pass_: ForwardPass, args, clock, meta) -> List[dict]:
+    """The rows of one (problem, dtype, mode, pass): eager and compile once, the fused
+    module per algo."""
+    errors, setup = [], pass_.setup
     set_mode(mode, setup.state, setup.ref, setup.fused)
-    base = measure_baseline(errors, setup, args, clock)
-    rows = []
     # Eval mode needs no convolution and ignores algo, so only train varies it.
-    for algo in args.algos if mode == "train" else ["auto"]:
-        row_errors = list(errors)
-        row = fused_row(new_row(name, problem, mode, algo, setup.dtype, meta), base, row_errors,
-                        setup, args, clock)
-        if (args.device == "cuda" and name == "seed" and mode == "eval"
-                and setup.dtype == torch.float32):
-            x_bytes = setup.x_check.numel() * setup.x_check.element_size()
-            stats = attempt(row_errors, "bandwidth",
-                            lambda: bandwidth_stats(setup.fused, setup.ring, x_bytes, clock))
-            row.update(stats or {})
-        row["error"] = "; ".join(row_errors) or None
-        rows.append(row)
+    algos = args.algos if mode == "train" else ["auto"]
+    with pass_.grad_mode():
+        base = measure_baseline(errors, setup, pass_, args, clock)
+        rows = [pass_row(name, problem, mode, algo, pass_, base, errors, args, clock, meta)
+                for algo in algos]
+    for module in (setup.ref, setup.fused):  # the last step's grads, no longer needed
+        module.zero_grad(set_to_none=True)
     return rows
 
 
+def pass_row(name, problem, mode, algo, pass_: ForwardPass, base, errors, args, clock,
+             meta) -> dict:
+    """The row of one algo: the fused module's measurements, with base's and the bandwidth."""
+    setup, row_errors = pass_.setup, list(errors)
+    row = fused_row(new_row(name, problem, mode, pass_.name, algo, setup.dtype, meta), base,
+                    row_errors, setup, pass_, args, clock)
+    if (args.device == "cuda" and name == "seed" and mode == "eval" and pass_.name == "forward"
+            and setup.dtype == torch.float32):
+        x_bytes = setup.x_check.numel() * setup.x_check.element_size()
+        stats = attempt(row_errors, "bandwidth",
+                        lambda: bandwidth_stats(setup.fused, setup.ring, x_bytes, clock))
+        row.update(stats or {})
+    row["error"] = "; ".join(row_errors) or None
+    return row
+
+
 def failed_rows(name, problem, dtype, args, meta, error) -> List[dict]:
-    rows = [new_row(name, problem, mode, "auto", dtype, meta) for mode in args.modes]
+    rows = [new_row(name, problem, mode, pass_name, "auto", dtype, meta)
+            for mode in args.modes for pass_name in args.passes]
     for row in rows:
         row["error"] = error
     return rows
@@ -314,11 +425,13 @@ def bench_dtype(name, problem, modules, dtype, args, clock, meta) -> List[dict]:
         return failed_rows(name, problem, dtype, args, meta, errors[0])
     rows = []
     for mode in args.modes:
-        started = time.perf_counter()
-        mode_rows = bench_mode(name, problem, mode, args, clock, meta, setup)
-        rows += mode_rows
-        print(f"[{name} {mode} {dtype_name(dtype)}] " + ", ".join(progress(r) for r in mode_rows)
-              + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
+        for pass_name in args.passes:
+            started = time.perf_counter()
+            pass_rows = bench_pass(name, problem, mode, PASSES[pass_name](setup), args, clock, meta)
+            rows += pass_rows
+            print(f"[{name} {mode} {pass_name} {dtype_name(dtype)}] "
+                  + ", ".join(progress(r) for r in pass_rows)
+                  + f"  ({time.perf_counter() - started:.1f} s)", flush=True)
     del setup
     free_memory()
     return rows
@@ -342,16 +455,19 @@ def fmt(value, spec) -> str:
 
 
 def progress(row) -> str:
+    error = (f"relerr {fmt(row['relerr_fp64'], '.1e')}" if row["pass"] == "forward"
+             else f"grad relerr {fmt(row['grad_relerr'], '.1e')}")
     text = (f"{row['algo']}: eager {fmt(row['eager_ms'], '.3f')} ms, compile {fmt(row['compile_ms'], '.3f')} ms,"
             f" fused {fmt(row['fused_ms'], '.3f')} ms, loop {fmt(row['eager_loop_us'], '.1f')}"
-            f" / {fmt(row['fused_loop_us'], '.1f')} us, relerr {fmt(row['relerr_fp64'], '.1e')}")
+            f" / {fmt(row['fused_loop_us'], '.1f')} us, {error}")
     return text + (f" [errors: {row['error']}]" if row["error"] else "")
 
 
-TABLE = (("shape", 9, "s"), ("mode", 5, "s"), ("dtype", 8, "s"), ("algo", 11, "s"),
+TABLE = (("shape", 9, "s"), ("mode", 5, "s"), ("pass", 7, "s"), ("dtype", 8, "s"), ("algo", 11, "s"),
          ("eager_ms", 9, ".3f"), ("compile_ms", 10, ".3f"), ("fused_ms", 9, ".3f"),
          ("speedup", 8, ".1f"), ("eager_loop_us", 13, ".1f"), ("fused_loop_us", 13, ".1f"),
-         ("loop_speedup", 12, ".1f"), ("relerr_fp64", 11, ".1e"), ("peak_mib", 9, ".1f"))
+         ("loop_speedup", 12, ".1f"), ("relerr_fp64", 11, ".1e"), ("grad_relerr", 11, ".1e"),
+         ("peak_mib", 9, ".1f"))
 
 
 def print_table(rows):
@@ -384,6 +500,9 @@ def parse_args():
                              " (decoder layers); bench/problems.py")
     parser.add_argument("--problems", help="comma-separated names (default: the sweep's for the device)")
     parser.add_argument("--modes", default="eval,train")
+    parser.add_argument("--passes", default="forward",
+                        help="comma-separated: forward (a call under no_grad) and/or step (forward"
+                             " with gradients, then backward)")
     parser.add_argument("--dtypes", default="float32",
                         help="comma-separated dtypes of x and both modules (float32, bfloat16, float16)")
     parser.add_argument("--reps", type=int, help="timed calls per measurement (default 50 on CUDA, 10 on CPU)")
@@ -401,6 +520,7 @@ def parse_args():
              else list(default_problems(args.sweep, args.device)))
     args.problems = {name: ALL_PROBLEMS[name] for name in names}
     args.modes = parse_list(args.modes, MODES, "mode")
+    args.passes = parse_list(args.passes, PASS_NAMES, "pass")
     args.dtypes = [DTYPES[name] for name in parse_list(args.dtypes, DTYPES, "dtype")]
     args.algos = parse_list(args.algos, ALGOS, "algo")
     if args.reps is None:
@@ -431,13 +551,16 @@ def print_header(args, clock, meta):
               f" median of {args.reps} calls after {WARMUP_CALLS} warm-up calls")
     print("loop: wall time per call of calls issued back to back, then one synchronize;"
           " median of 3 loops")
-    print("all calls under torch.no_grad(); PyTorch's default settings (TF32 flags untouched)", flush=True)
+    print("forward: calls under torch.no_grad(); step: x.requires_grad_(), forward, out.backward(grad)"
+          " with a fixed grad, grads set to None before each step (outside the timing);"
+          " PyTorch's default settings (TF32 flags untouched)", flush=True)
 
 
 def result_path(args, meta) -> Path:
     sweep = "" if args.sweep == "seed" else "-" + args.sweep
     layout = "" if args.memory_format == "contiguous" else "-" + args.memory_format
-    return args.out / f"{meta['gpu']}-{meta['date']}{sweep}{layout}.json"
+    step = "-step" if "step" in args.passes else ""
+    return args.out / f"{meta['gpu']}-{meta['date']}{sweep}{layout}{step}.json"
 
 
 def main():
@@ -455,7 +578,9 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     path = result_path(args, meta)
     rows = []
-    with torch.no_grad():  # forward-only benchmark: no autograd graph for the reference either
+    # No autograd graph outside the step pass (which enables grad for itself): forward rows
+    # build none for the reference either.
+    with torch.no_grad():
         for name, problem in args.problems.items():
             rows += bench_problem(name, problem, args, clock, meta)
             path.write_text(json.dumps(rows, indent=1) + "\n")  # after each problem: a crash keeps the rest

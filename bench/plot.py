@@ -4,8 +4,8 @@
     python bench/plot.py bench/results/<gpu>-<date>.json [-o docs/speedup-<gpu>.png]
 
 One group of bars per problem (per problem and dtype where the file holds several dtypes),
-one bar per mode (train: the "auto" algo row, else the first train row), log y axis, a line
-at 1 (= eager speed). Needs matplotlib.
+one bar per mode and pass ("train", "train step"; train: the "auto" algo row, else the first
+train row), log y axis, a line at 1 (= eager speed). Needs matplotlib.
 """
 import argparse
 import json
@@ -24,14 +24,21 @@ def group_of(rows):
     return lambda row: f"{row['shape']} {row['dtype']}" if several else row["shape"]
 
 
+def series_of(row) -> str:
+    """A row's bar series: its mode, and its pass unless forward (files before step rows
+    have no pass)."""
+    pass_name = row.get("pass", "forward")
+    return row["mode"] if pass_name == "forward" else f"{row['mode']} {pass_name}"
+
+
 def speedups(rows):
-    """{mode: {group: speedup or nan}} and the groups in file order."""
+    """{series: {group: speedup or nan}} and the groups in file order."""
     group = group_of(rows)
     shapes = list(dict.fromkeys(group(row) for row in rows))
-    modes = list(dict.fromkeys(row["mode"] for row in rows))
+    modes = list(dict.fromkeys(series_of(row) for row in rows))
     table = {mode: {} for mode in modes}
     for row in rows:
-        mode_rows = table[row["mode"]]
+        mode_rows = table[series_of(row)]
         # One bar per (group, mode): the auto row wins over any other algo.
         if group(row) not in mode_rows or row["algo"] == "auto":
             mode_rows[group(row)] = row
