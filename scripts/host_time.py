@@ -4,8 +4,10 @@
     python scripts/host_time.py [--device cuda|cpu] [--calls N]
 
 For each case: the median wall time of issuing one call (perf_counter around the call, the
-GPU kept busy so that no call waits for it), the ATen ops each call dispatches and the host
-time of the op's dispatch under torch.profiler (CPU activity). Cases: a tiny problem (host
+GPU kept busy so that no call waits for it), the time per call of back-to-back loops (the
+fastest of 5; on CUDA one synchronization per loop, so this is the eager loop's pace), the
+ATen ops each call dispatches and the host time of the op's dispatch under torch.profiler
+(CPU activity). Cases: a tiny problem (host
 time alone), the seed problem and padded/strided training problems; the raw op, and the
 module under no_grad and with gradients.
 """
@@ -60,6 +62,19 @@ def issue_us(fn, x, calls, device):
     return statistics.median(times)
 
 
+def loop_us(fn, x, calls, device):
+    """Time per call of `calls` back-to-back calls, the fastest of 5 loops."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
 def profiled(fn, x, calls, device):
     """(ATen ops per call, host µs per call of the op's dispatch) from torch.profiler."""
     activities = [ProfilerActivity.CPU]
@@ -81,9 +96,12 @@ def main():
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--problems", default=",".join(PROBLEMS))
     args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # host time, not the CPU kernels' parallelism
     print(f"host time per call, torch {torch.__version__}, {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
-    print(f"{'problem':8} {'mode':5} {'form':16} {'issue us':>9} {'aten ops':>9} {'op us':>8}")
+    print(f"{'problem':8} {'mode':5} {'form':16} {'issue us':>9} {'loop us':>9} {'aten ops':>9}"
+          f" {'op us':>8}")
     for name in args.problems.split(","):
         module, x = make(name, args.device)
         for mode in ("eval", "train"):
@@ -96,8 +114,10 @@ def main():
                     fn(x)  # first call: plans, tables, lazy initialization
                     calls = args.calls if name == "tiny" else max(20, args.calls // 10)
                     us = issue_us(fn, x, calls, args.device)
+                    loop = loop_us(fn, x, calls, args.device)
                     ops, op_us = profiled(fn, x, 20, args.device)
-                print(f"{name:8} {mode:5} {form:16} {us:9.1f} {ops:9.1f} {op_us:8.1f}", flush=True)
+                print(f"{name:8} {mode:5} {form:16} {us:9.1f} {loop:9.1f} {ops:9.1f} {op_us:8.1f}",
+                      flush=True)
             module.load_state_dict(state)
 
 
