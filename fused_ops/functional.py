@@ -64,7 +64,8 @@ def ct_bn_pool(
             False normalizes with the running statistics, which are then required.
         momentum: running-stat update factor, as ``F.batch_norm``'s (for
             ``momentum=None`` in a module pass ``1 / num_batches_tracked``).
-        eps: added to the variance; must be >= 0.
+        eps: added to the variance; must be > 0 in training, >= 0 in eval where this
+            torch's ``F.batch_norm`` accepts 0 (torch 2.11 refuses it in eval too).
         stride, padding, output_padding, dilation: ConvTranspose3d options, an int or 3 ints.
         groups: ConvTranspose3d groups.
         algo: how training mode gets the per-channel variance, never forming the conv
@@ -95,8 +96,10 @@ def ct_bn_pool(
     PyTorch's own backward of the unfused modules costs; eval mode's needs one
     ``convolution_backward`` and does not recompute the convolution. ``running_mean``/``running_var`` are not
     differentiable (one that requires grad is refused). With ``process_group`` over several
-    processes in training mode the op is forward only: a backward raises, naming
-    ``fused_ops::ct_bn_pool_apply``.
+    processes in training mode the backward is ``nn.SyncBatchNorm``'s (``docs/math.md``
+    §6.2.1): a collective too (one all-reduce of ``[2, C_out]`` when x's or ``weight``'s
+    gradient is needed), which every process of the group must run; the parameters'
+    gradients are this process's part (DDP averages them); no ``create_graph=True``.
     """
     if not isinstance(scale, numbers.Real):
         raise TypeError(f"ct_bn_pool: scale must be a Python number, got {type(scale).__name__}")
@@ -109,6 +112,18 @@ def ct_bn_pool(
                    bool(training), float(momentum), float(eps), conv, process_group)
 
 
+def _eval_accepts_zero_eps() -> bool:
+    """Whether this torch's F.batch_norm takes eps = 0 in eval mode (the op then does too,
+    as the modules it replaces; older versions refuse it in both modes)."""
+    one = torch.ones(1)
+    try:
+        torch.nn.functional.batch_norm(torch.zeros(2, 1), one - 1, one, training=False, eps=0.0)
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+_EVAL_ACCEPTS_ZERO_EPS = _eval_accepts_zero_eps()
 _OP = torch.ops.fused_ops.ct_bn_pool.default
 _OP_NO_STATS = torch.ops.fused_ops.ct_bn_pool.no_stats
 
@@ -117,6 +132,8 @@ def call_op(x, weight, bias, scale: float, bn_weight, bn_bias, running_mean, run
             training: bool, momentum: float, eps: float, conv: dict, process_group=None):
     """The op for checked arguments (:func:`ct_bn_pool`'s, ``conv`` its keywords from
     ``stride`` to ``algo``): the path every call takes, kept lean (host time, docs/performance.md)."""
+    if eps == 0.0 and not training and not _EVAL_ACCEPTS_ZERO_EPS:
+        raise ValueError(f"batch_norm eps must be positive, but got {eps}")
     if process_group is not None and training and torch.distributed.get_world_size(process_group) > 1:
         return distributed.synced_ct_bn_pool(
             x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,

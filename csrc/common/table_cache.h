@@ -4,12 +4,12 @@
 // ATen ops per call, host time that an eager loop would pay on every call
 // (docs/performance.md).
 //
-// A cached table outlives the call that made it, so it must not come from a CUDA graph's
-// memory pool: torch.compile's CUDA graph trees route the allocations of their warm-up
-// runs on the current stream to the graph's pool and refuse tensors left there. The
-// backend therefore builds cached tables apart (Backend::build_tables_apart: CUDA uses a
-// stream of its own and waits for it), and refuses while the current stream is being
-// captured: then the tables are built for that call alone, inside the graph.
+// A cached table outlives the call that made it, so the backend builds it apart
+// (Backend::build_tables_apart: CUDA on a stream of the library's own, waited for, so that
+// any stream may read it) and refuses while the current stream is being captured into a
+// CUDA graph: then the tables are built for that call alone, inside the graph. Not yet
+// apart from torch.compile's CUDA graph trees, which route every allocation of the
+// warming-up thread to their pool, whatever the stream (docs/performance.md, known gaps).
 #include <ATen/ATen.h>
 #include <c10/util/FunctionRef.h>
 

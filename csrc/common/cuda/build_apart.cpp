@@ -13,9 +13,8 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-// One stream per device, created by this library and never destroyed. Not one of PyTorch's
-// pooled streams: CUDA graph trees route the allocations of their own stream to the graph's
-// pool, and a pooled stream could be that stream.
+// One stream per device, created by this library and never destroyed: not one of PyTorch's
+// pooled streams, which a caller (a CUDA graph's capture among them) may be using.
 c10::cuda::CUDAStream table_stream(c10::DeviceIndex index) {
   static std::array<cudaStream_t, kMaxDevices> streams{};
   static std::array<std::once_flag, kMaxDevices> made;
