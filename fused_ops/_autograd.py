@@ -12,19 +12,17 @@ writes ``running_mean``/``running_var`` (``Tensor(a!)?``). So the two kernels th
 ``register_autograd`` and ``torch.library.custom_op`` would register are registered
 directly:
 
-- ``Autograd``: an ``autograd.Function`` around the op when a gradient can flow (Python,
-  here), the op alone otherwise (C++; see below);
+- ``Autograd`` (here, in Python): an ``autograd.Function`` around the op when an input
+  requires grad, the op alone otherwise;
 - ``ADInplaceOrView`` (``csrc/ops.cpp``, in C++ since it runs on every call): bumps the
   running statistics' version counters when the call writes them (``training=True``), as
   every in-place op does, so that autograd detects a saved tensor changed under it. Eval
   mode does not write them and does not bump them: a bump would invalidate, for nothing,
   graphs that saved them.
 
-The Python kernel runs only when a gradient can flow (grad mode on and an input requiring
-grad): ct_bn_pool's own Autograd kernel is C++ (``csrc/ops.cpp``), which goes below autograd
-at once otherwise and else calls the overload ``_ct_bn_pool_differentiable`` of the same
-schema, on which the Python kernel below is registered. Every inference call, also under
-``torch.no_grad()``, thus stays in C++ (host time; ``docs/performance.md``).
+The Python kernel runs on every call from Python, also under ``torch.no_grad()`` (host
+time; ``docs/performance.md``), unless autograd is off for the tensors
+(``torch.inference_mode``).
 
 PyTorch's compile caches (FX graph, AOTAutograd) key on the traced graph, not on these
 kernels: after changing this file or ``_box_sums.py``, clear them or set
@@ -38,7 +36,10 @@ computed in float32 for float16/bfloat16 inputs (in the inputs' dtype otherwise)
 gradient is returned in its input's dtype (BatchNorm's may be float32 for a float16 x).
 
 ``ct_bn_pool_stats`` and ``ct_bn_pool_apply`` (the halves of the synchronized training step)
-keep the C++ not-implemented fallback (``csrc/ops.cpp``): a backward through them raises.
+keep the C++ not-implemented fallback (``csrc/ops.cpp``): a backward through them alone
+raises. The synchronized step as a whole is differentiated by ``distributed.py``'s
+``autograd.Function``, with the training helpers below given the group's statistics and a
+sum over the group (docs/math.md §6.2.1).
 """
 import torch
 from torch import Tensor
@@ -124,9 +125,13 @@ class _CtBnPoolBackward(torch.autograd.Function):
         else:
             grads = _eval_grads(ctx, grad_out, needs, running_mean=eval_stats[0],
                                 running_var=eval_stats[1], **saved)
-        grads = {n: grad.to(ctx.dtypes[n]) for n, grad in grads.items()
-                 if needs.get(n) and grad is not None}  # each in its input's dtype
+        grads = _in_input_dtypes(grads, needs, ctx.dtypes)
         return (None, None, None, *(grads.get(n) for n in names))
+
+
+def _in_input_dtypes(grads: dict, needs: dict, dtypes: dict) -> dict:
+    """The gradients asked for (``needs``), each in its input's dtype (``dtypes``)."""
+    return {n: grad.to(dtypes[n]) for n, grad in grads.items() if needs.get(n) and grad is not None}
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -210,44 +215,71 @@ def _eval_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, running_mean, 
     return grads
 
 
-def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight):
-    """docs/math.md §6.2: batch statistics, so the convolution output is recomputed."""
-    grads = {"bn_bias": grad_out.to(_compute_dtype(x.dtype)).sum(0).flatten()}
+def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None,
+                    all_reduce=None):
+    """docs/math.md §6.2: batch statistics, so the convolution output is recomputed.
+
+    The batch is x's own (``stats`` and ``all_reduce`` None) or, synchronized (§6.2.1), that
+    of a process group: ``stats`` the float64 ``[3, C]`` (count, mean, M2) of the
+    convolution output over the group's batch, which the forward normalized with, and
+    ``all_reduce`` a function summing a ``[2, C]`` tensor over the group. The gradients of
+    the BatchNorm parameters are this process's part, as ``nn.SyncBatchNorm`` returns them.
+    """
+    g_sum = grad_out.to(_compute_dtype(x.dtype)).sum(0).flatten()  # sum_b g
+    grads = {"bn_bias": g_sum}
     if bias is not None:
         grads["bias"] = torch.zeros_like(bias)  # the batch mean removes it
     if needs["x"] or needs["weight"] or needs["bn_weight"]:
-        grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight))
+        grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum,
+                                              stats, all_reduce))
     return grads
 
 
-def _normalized_conv_output(ctx, x, weight):
+def _normalized_conv_output(ctx, x, weight, stats=None):
     """(zhat, scale / sqrt(var_z + eps)): z = scale * conv_transpose3d(x, weight) recomputed
-    and normalized with its batch statistics, zhat = (z - mean_z) / sqrt(var_z + eps)."""
+    and normalized, zhat = (z - mean_z) / sqrt(var_z + eps), with its batch statistics, or
+    with the convolution output's (count, mean, M2) ``stats`` when given."""
     c = ctx.conv
     # The conv bias shifts z and its batch mean alike: it cancels, and is left out.
     y = torch.ops.aten.convolution.default(x, weight, None, c["stride"], c["padding"],
                                            c["dilation"], True, c["output_padding"], c["groups"])
-    var, mean = torch.var_mean(y, dim=(0, 2, 3, 4), correction=0, keepdim=True)
-    var, mean = var.to(_compute_dtype(y.dtype)), mean.to(_compute_dtype(y.dtype))
+    compute = _compute_dtype(y.dtype)
+    if stats is None:
+        var, mean = torch.var_mean(y, dim=(0, 2, 3, 4), correction=0, keepdim=True)
+    else:
+        count, mean, m2 = stats.unbind(0)
+        var = m2 / count
+    var, mean = (v.to(compute).view(1, -1, 1, 1, 1) for v in (var, mean))
     z_unit = ctx.scale * torch.rsqrt(var * ctx.scale ** 2 + ctx.eps)
     # One more [B, C, Do, Ho, Wo], in y's dtype.
     return torch.addcmul((-mean * z_unit).to(y.dtype), y, z_unit.to(y.dtype)), z_unit
 
 
-def _normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight):
-    """Training mode's gradients that need zhat (§6.2)."""
-    zhat, z_unit = _normalized_conv_output(ctx, x, weight)
+def _normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum, stats=None,
+                             all_reduce=None):
+    """Training mode's gradients that need zhat (§6.2; `stats`, `all_reduce`: as
+    :func:`_training_grads`'s, g_sum: this process's sum_b g)."""
+    zhat, z_unit = _normalized_conv_output(ctx, x, weight, stats)
     compute = z_unit.dtype
     g = grad_out.to(compute)  # [B, C, 1, 1, 1]
     g_zbar = g * zhat.mean((2, 3, 4), keepdim=True, dtype=compute)  # g * (pooled zhat)
     grads = {"bn_weight": g_zbar.sum(0).flatten()}
     if needs["x"] or needs["weight"]:
+        sums = torch.stack([g_sum, grads["bn_weight"]])  # [2, C]: sum_b g, sum_b g zbar
+        if all_reduce is not None:
+            sums = all_reduce(sums)  # over the group's batch
+        sums = sums.view(2, 1, -1, 1, 1, 1)
+        positions = zhat.shape[2] * zhat.shape[3] * zhat.shape[4]  # N (zhat may have B = 0)
+        # mean_b g and mean_b (g zbar) over the batch's samples, each weighted by its share
+        # N / n of the batch's n values: 1 / B for x's own batch.
+        means = (sums / zhat.shape[0] if stats is None
+                 else sums * (positions / stats[0]).to(compute).view(1, -1, 1, 1, 1))
         gamma = None if bn_weight is None else bn_weight.to(compute).view(1, -1, 1, 1, 1)
         gain = z_unit if gamma is None else gamma * z_unit
-        coef = gain / zhat[0, 0].numel()  # gamma scale / (sqrt(var_z + eps) N)
+        coef = gain / positions  # gamma scale / (sqrt(var_z + eps) N)
         # grad_y = coef * (g - mean_b g - mean_b(g zbar) zhat): one more buffer, zhat freed.
-        grad_y = torch.addcmul((coef * (g - g.mean(0, keepdim=True))).to(zhat.dtype), zhat,
-                               (-coef * g_zbar.mean(0, keepdim=True)).to(zhat.dtype))
+        grad_y = torch.addcmul((coef * (g - means[0])).to(zhat.dtype), zhat,
+                               (-coef * means[1]).to(zhat.dtype))
         del zhat
         grads["x"], grads["weight"] = _convolution_backward(ctx, grad_y, x, weight, needs["x"],
                                                             needs["weight"])
@@ -281,8 +313,5 @@ def _ct_bn_pool_no_stats_autograd(keyset, *args, **kwargs):
     return _redispatch_below_autograd("no_stats", keyset, args, kwargs)
 
 
-# ct_bn_pool's own Autograd kernel (csrc/ops.cpp) calls these overloads when a gradient can
-# flow, and goes below autograd in C++ otherwise.
-_LIB.impl("_ct_bn_pool_differentiable", _ct_bn_pool_autograd, "Autograd", with_keyset=True)
-_LIB.impl("_ct_bn_pool_differentiable.no_stats", _ct_bn_pool_no_stats_autograd, "Autograd",
-          with_keyset=True)
+_LIB.impl("ct_bn_pool", _ct_bn_pool_autograd, "Autograd", with_keyset=True)
+_LIB.impl("ct_bn_pool.no_stats", _ct_bn_pool_no_stats_autograd, "Autograd", with_keyset=True)

@@ -4,11 +4,20 @@ The training step is split in two ops (``docs/math.md`` §4.1): ``ct_bn_pool_sta
 this process's per-sample sums and per-channel ``(count, mean, M2)``; the ``[3, C]`` stats of
 every process of the group are gathered in ONE collective, merged here identically on every
 rank, and ``ct_bn_pool_apply`` finalizes with the merged (global) statistics, updating the
-running statistics from them. ``docs/distributed.md`` is the user-facing description.
+running statistics from them. When a gradient can flow, an ``autograd.Function`` wraps the
+step: its backward, like ``nn.SyncBatchNorm``'s, sums two per-channel sums over the group in
+ONE all-reduce (``docs/math.md`` §6.2.1). ``docs/distributed.md`` is the user-facing
+description.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+# The differentiable arguments of synced_ct_bn_pool, in order, and its convolution options.
+_DIFFERENTIABLE = ("x", "weight", "bias", "bn_weight", "bn_bias")
+_CONV = ("stride", "padding", "output_padding", "dilation", "groups")
 
 
 def check_process_group(process_group) -> None:
@@ -89,6 +98,14 @@ def check_count(merged: Tensor, local_count: int) -> None:
                          f"{local_count})")
 
 
+def all_reduce_sums(sums: Tensor, process_group) -> Tensor:
+    """`sums` [2, C] summed over the processes of `process_group`: the backward's one
+    collective, in place (`sums` is the backward's own buffer). As for the all-gather, with
+    ``async_op=False`` NCCL orders it on the current stream, without a host wait."""
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=process_group)
+    return sums
+
+
 def synced_ct_bn_pool(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
                       momentum, eps, *, stride, padding, output_padding, dilation, groups, algo,
                       process_group) -> Tensor:
@@ -97,8 +114,29 @@ def synced_ct_bn_pool(x, weight, bias, scale, bn_weight, bn_bias, running_mean, 
     Arguments as ``fused_ops.ct_bn_pool`` (options as 3-lists). Every rank of
     `process_group` must call it (a collective); x's batch size and spatial size may differ
     between ranks. The running statistics are updated from the global statistics, so they
-    stay equal on every rank.
+    stay equal on every rank. Differentiable when a gradient can flow, as the plain op: the
+    backward is a collective too (one all-reduce when x's or the weight's gradient is
+    needed), so every rank must run it.
     """
+    # Imported here: _autograd imports this module.
+    from ._autograd import _reject_grad_on_running_stats, _requires_grad
+    call = dict(scale=scale, running_mean=running_mean, running_var=running_var,
+                momentum=momentum, eps=eps, stride=stride, padding=padding,
+                output_padding=output_padding, dilation=dilation, groups=groups, algo=algo,
+                process_group=process_group)
+    tensors = (x, weight, bias, bn_weight, bn_bias)
+    # In the plain op's argument order, which the checks of _autograd index.
+    op_args = (x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var)
+    if _requires_grad(op_args):
+        _reject_grad_on_running_stats(op_args)
+        return _SyncedCtBnPool.apply(call, *tensors)
+    return _synced_forward(*tensors, **call)[0]
+
+
+def _synced_forward(x, weight, bias, bn_weight, bn_bias, *, scale, running_mean, running_var,
+                    momentum, eps, stride, padding, output_padding, dilation, groups, algo,
+                    process_group):
+    """(output, merged [3, C] float64 statistics of the group's convolution output)."""
     sample_sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(
         x, weight, stride=stride, padding=padding, output_padding=output_padding,
         dilation=dilation, groups=groups, algo=algo)
@@ -109,8 +147,47 @@ def synced_ct_bn_pool(x, weight, bias, scale, bn_weight, bn_bias, running_mean, 
     if running_mean is None and running_var is None:
         # Nothing to update: the overload that mutates nothing (csrc/ops.cpp, as the
         # functional's ct_bn_pool.no_stats).
-        return torch.ops.fused_ops.ct_bn_pool_apply.no_stats(
+        out = torch.ops.fused_ops.ct_bn_pool_apply.no_stats(
             sample_sums, merged, spatial, bias, scale, bn_weight, bn_bias, eps, x.dtype)
-    return torch.ops.fused_ops.ct_bn_pool_apply(
-        sample_sums, merged, spatial, bias, scale, bn_weight, bn_bias, running_mean, running_var,
-        momentum, eps, x.dtype)
+    else:
+        out = torch.ops.fused_ops.ct_bn_pool_apply(
+            sample_sums, merged, spatial, bias, scale, bn_weight, bn_bias, running_mean,
+            running_var, momentum, eps, x.dtype)
+    return out, merged
+
+
+class _SyncedCtBnPool(torch.autograd.Function):
+    """The synchronized training step and its backward (docs/math.md §6.2.1): the training
+    backward of ``_autograd.py`` with the forward's global statistics, its two per-channel
+    sums all-reduced over the group, as ``nn.SyncBatchNorm``'s backward does."""
+
+    @staticmethod
+    def forward(ctx, call, x, weight, bias, bn_weight, bn_bias):
+        out, merged = _synced_forward(x, weight, bias, bn_weight, bn_bias, **call)
+        # The statistics the output was normalized with: recomputing them would take
+        # another collective.
+        ctx.save_for_backward(x, weight, bias, bn_weight, merged)
+        ctx.scale, ctx.eps, ctx.group = call["scale"], call["eps"], call["process_group"]
+        ctx.conv = {k: call[k] for k in _CONV}
+        ctx.dtypes = {n: t.dtype for n, t in zip(_DIFFERENTIABLE, (x, weight, bias, bn_weight,
+                                                                    bn_bias)) if t is not None}
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True
+            # Refused rather than differentiated without the group's part. Not
+            # @once_differentiable: that raises only when grad_out requires grad, and
+            # otherwise returns gradients without a graph, which a sum with others would
+            # silently drop from a second backward.
+            raise RuntimeError("ct_bn_pool: with statistics synchronized over a process group "
+                               "the backward is not differentiable (its all-reduce has no "
+                               "derivative here): create_graph=True is not supported")
+        from ._autograd import _training_grads, _in_input_dtypes
+        x, weight, bias, bn_weight, merged = ctx.saved_tensors
+        needs = dict(zip(_DIFFERENTIABLE, ctx.needs_input_grad[1:]))
+        grads = _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=merged,
+                                all_reduce=functools.partial(all_reduce_sums,
+                                                             process_group=ctx.group))
+        grads = _in_input_dtypes(grads, needs, ctx.dtypes)
+        return (None, *(grads.get(n) for n in _DIFFERENTIABLE))

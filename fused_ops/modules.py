@@ -40,8 +40,9 @@ class ConvTransposeBNPool3d(nn.Module):
     the module; eval mode never communicates.
 
     Output: ``[B, out_channels, 1, 1, 1]``. Trains like the unfused pattern: gradients reach
-    the conv's and the batch norm's parameters and x (``docs/math.md`` §6), except with
-    statistics synchronized over several processes, which are forward only.
+    the conv's and the batch norm's parameters and x (``docs/math.md`` §6), also with
+    statistics synchronized over several processes, as through ``nn.SyncBatchNorm`` (one
+    all-reduce per backward; ``docs/distributed.md``).
     """
 
     def __init__(self, in_channels, out_channels, kernel_size, scale_factor, eps=1e-5,

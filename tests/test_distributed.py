@@ -1,11 +1,12 @@
 """Training statistics over several processes (fused_ops/distributed.py, docs/distributed.md).
 
-The merge alone; the whole synced path for a group simulated in this process; and real
-gloo groups of 2 and 3 processes on loopback with unequal batch sizes, whose outputs and
-running statistics must equal a float64 run of the unfused pattern on the concatenated
-batch (nn.SyncBatchNorm itself refuses CPU tensors once torch.distributed is initialized;
-scripts/dist_check.py compares against it on GPUs).
+The merge alone; the whole synced path for a group simulated in this process, forward and
+backward; and real gloo groups of 2 and 3 processes on loopback with unequal batch sizes,
+whose outputs, running statistics and gradients must equal a float64 run of the unfused
+pattern on the concatenated batch (nn.SyncBatchNorm itself refuses CPU tensors once
+torch.distributed is initialized; scripts/dist_check.py compares against it on GPUs).
 """
+import contextlib
 import copy
 import datetime
 import os
@@ -17,9 +18,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fused_ops
-from conftest import HALF_TYPES, OUT_TOL, Problem, make_dtype_models, make_models, relerr
+from conftest import (GRAD_TOL, HALF_TYPES, OUT_TOL, Problem, assert_gradients_match,
+                      make_dtype_models, make_models, relerr)
 from fused_ops import distributed
 from fused_ops.fusion import _FusedChain
+from fused_ops.modules import conv_transpose_options
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 
@@ -35,6 +38,16 @@ SCENARIOS = [("explicit", P, torch.float32, 0),            # process_group= on t
              ("convert_then_fuse", P_OPTS, torch.float64, 1),  # fuse maps nn.SyncBatchNorm
              ("fuse_then_convert", P, torch.float32, 2),   # convert_sync_batchnorm after fuse
              ("compiled", P, torch.float32, 0)]            # torch.compile(fullgraph=True)
+# Training with gradients over a group, each way of asking for it: (name, problem, dtype, seed).
+GRAD_SCENARIOS = [("module", P, torch.float64, 3),          # process_group= on the module
+                  ("functional", P_OPTS, torch.float32, 4),  # fused_ops.ct_bn_pool(process_group=)
+                  ("convert_then_fuse", P_OPTS, torch.float64, 5),  # nn.SyncBatchNorm, fused
+                  ("unequal_sizes", P, torch.float64, 6),   # x's spatial size differs per rank
+                  ("empty_rank", P, torch.float32, 7),      # the last rank's batch is empty
+                  ("ddp", P, torch.float64, 8),             # DistributedDataParallel around it
+                  ("compiled", P, torch.float32, 9)]        # torch.compile(fullgraph=True)
+# x's spatial size on each rank in the unequal_sizes scenario.
+RANK_SIZES = [(3, 4, 5), (2, 3, 4), (4, 4, 3)]
 COLLECTIVES = ["all_gather_single", "all_gather_into_tensor", "all_gather", "all_reduce",
                "broadcast", "reduce_scatter_tensor", "all_to_all_single", "gather", "scatter",
                "reduce", "barrier"]
@@ -220,6 +233,90 @@ def test_synced_step_without_running_stats(compiled, monkeypatch):
     assert relerr(out, expected) <= 1e-6
 
 
+def _simulate_group_of_one(monkeypatch):
+    """Both collectives of the synced path for a group of one; returns the list that
+    records the shape of every all-reduced tensor."""
+    reduced = []
+
+    def all_reduce(sums, process_group):
+        reduced.append(tuple(sums.shape))
+        return sums
+    monkeypatch.setattr(distributed, "all_gather_stats", lambda stats, group: stats[None])
+    monkeypatch.setattr(distributed, "all_reduce_sums", all_reduce)
+    return reduced
+
+
+def _synced_call(fused, x, scale):
+    c, bn = fused.conv_transpose, fused.batch_norm
+    return distributed.synced_ct_bn_pool(
+        x, c.weight, c.bias, scale, bn.weight, bn.bias, bn.running_mean, bn.running_var, 0.1,
+        bn.eps, algo="auto", process_group="group", **conv_options(c))
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 2, (torch.float64,) * 2] + [
+    (t, torch.float32) for t in HALF_TYPES],
+    ids=lambda d: "-".join(str(t).removeprefix("torch.") for t in d))
+def test_synced_backward_for_a_group_of_one_matches_float64(dtypes, monkeypatch):
+    """The synced path's backward (docs/math.md §6.2.1) for a group of one, the collectives
+    simulated: every gradient against the float64 unfused modules' on the same rounded
+    values within GRAD_TOL, each in its tensor's dtype, after one all-reduce of [2, C]."""
+    conv_dtype, bn_dtype = dtypes
+    ref, fused = make_dtype_models(P_OPTS, conv_dtype, bn_dtype)
+    reduced = _simulate_group_of_one(monkeypatch)
+    x = global_input(P_OPTS, [3], 0, torch.float64).to(conv_dtype).requires_grad_()
+    grad_out = torch.randn(3, P_OPTS.out_channels, 1, 1, 1, dtype=torch.float64)
+    _synced_call(fused, x, P_OPTS.scale).backward(grad_out.to(conv_dtype))
+    x64 = x.detach().double().requires_grad_()
+    ref.train()(x64).backward(grad_out)
+    got = {"x": x.grad, **{n: q.grad for n, q in fused.named_parameters()}}
+    want = {"x": x64.grad, **{n: q.grad for n, q in ref.named_parameters()}}
+    for name, grad in got.items():
+        assert grad.dtype == (bn_dtype if name.startswith("batch_norm.") else conv_dtype), name
+    assert_gradients_match(got, want, GRAD_TOL[conv_dtype])
+    assert not fused.conv_transpose.bias.grad.any()  # the batch mean removes the bias
+    assert reduced == [(2, P_OPTS.out_channels)]
+
+
+@pytest.mark.parametrize("requested, reductions", [
+    (("x",), 1), (("weight",), 1), (("bias", "bn_weight", "bn_bias"), 0)], ids=lambda r: str(r))
+def test_synced_backward_sums_over_the_group_only_for_x_and_the_weight(requested, reductions,
+                                                                        monkeypatch):
+    """The group's sums enter x's and the weight's gradients alone: a backward for the
+    others makes no collective, and each gradient is the one computed with all of them."""
+    _, fused = make_models(P_OPTS, torch.float64)
+    reduced = _simulate_group_of_one(monkeypatch)
+    x = global_input(P_OPTS, [3], 0, torch.float64)
+    params = dict(weight=fused.conv_transpose.weight, bias=fused.conv_transpose.bias,
+                  bn_weight=fused.batch_norm.weight, bn_bias=fused.batch_norm.bias)
+    grad_out = torch.randn(3, P_OPTS.out_channels, 1, 1, 1, dtype=torch.float64)
+    inputs = {"x": x.requires_grad_(), **params}
+    everything = dict(zip(inputs, torch.autograd.grad(_synced_call(fused, x, P_OPTS.scale),
+                                                      list(inputs.values()), grad_out)))
+    del reduced[:]
+    x.requires_grad_("x" in requested)
+    for name, param in params.items():
+        param.requires_grad_(name in requested)
+    alone = torch.autograd.grad(_synced_call(fused, x, P_OPTS.scale),
+                                [inputs[n] for n in requested], grad_out)
+    assert len(reduced) == reductions
+    for name, grad in zip(requested, alone):
+        torch.testing.assert_close(grad, everything[name], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("loss", ["linear", "square"])
+def test_synced_backward_with_create_graph_raises(loss, monkeypatch):
+    """The all-reduce has no derivative here: a backward building a graph for a second one
+    raises, whether or not the output's gradient requires grad, instead of returning
+    gradients that lack the group's part of their own derivative."""
+    _, fused = make_models(P, torch.float64)
+    _simulate_group_of_one(monkeypatch)
+    x = global_input(P, [3], 0, torch.float64).requires_grad_()
+    out = _synced_call(fused, x, P.scale)
+    with pytest.raises(RuntimeError, match="create_graph=True is not supported"):
+        torch.autograd.grad(out.sum() if loss == "linear" else out.square().sum(), x,
+                            create_graph=True)
+
+
 # --- Arguments and the single-process cases ---------------------------------------------------
 
 def test_bad_process_group_is_named():
@@ -275,16 +372,29 @@ def test_sync_batch_norm_without_a_process_group_is_batch_norm(convert):
 # --- Real process groups: gloo on loopback ----------------------------------------------------
 
 def _count_collectives(calls):
-    """Wraps torch.distributed's collectives so that each call is recorded in `calls`."""
-    for name in COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
+    """Wraps torch.distributed's collectives so that each call is recorded in `calls`;
+    returns the originals by name."""
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+    for name, original in originals.items():
 
         def counted(*args, _original=original, _name=name, **kwargs):
             calls.append(_name)
             return _original(*args, **kwargs)
         setattr(dist, name, counted)
+    return originals
+
+
+@contextlib.contextmanager
+def _uncounted(originals):
+    """torch.distributed's own collectives inside the block."""
+    counted = {name: getattr(dist, name) for name in originals}
+    for name, original in originals.items():
+        setattr(dist, name, original)
+    try:
+        yield
+    finally:
+        for name, wrapper in counted.items():
+            setattr(dist, name, wrapper)
 
 
 def _run_steps(model, p, batches, rank, dtype, calls, compiled):
@@ -295,8 +405,9 @@ def _run_steps(model, p, batches, rank, dtype, calls, compiled):
         x = global_input(p, batches, step, dtype).split(batches)[rank]
         del calls[:]
         # Grad mode, parameters requiring grad (the default), as in training. Compiled,
-        # synchronized statistics need no_grad: ct_bn_pool_stats/apply have no backward
-        # for AOTAutograd to trace (README).
+        # no_grad: with grad the synced step is an autograd.Function, inside which Dynamo
+        # cannot trace the counting wrappers' side effect (the compiled gradient scenario
+        # runs without them).
         with torch.set_grad_enabled(not compiled):
             outs.append(model(x).detach())
         collectives.append(list(calls))
@@ -358,6 +469,76 @@ def _functional_eval(calls):
     return list(calls)
 
 
+def grad_inputs(name, p, batches, dtype):
+    """Every rank's x and the gradient of its output, in rank order, for a GRAD_SCENARIOS
+    entry (drawn in float64, then rounded to dtype)."""
+    if name == "empty_rank":
+        batches = [*batches[:-1], 0]
+    g = torch.Generator().manual_seed(200)
+    if name == "unequal_sizes":
+        xs = [torch.randn(b, p.in_channels, *RANK_SIZES[r], generator=g, dtype=torch.float64)
+              for r, b in enumerate(batches)]
+    else:
+        xs = torch.randn(sum(batches), p.in_channels, *p.size, generator=g,
+                         dtype=torch.float64).split(batches)
+    grads = torch.randn(sum(batches), p.out_channels, 1, 1, 1, generator=g,
+                        dtype=torch.float64).split(batches)
+    return [x.to(dtype) for x in xs], [grad.to(dtype) for grad in grads]
+
+
+def _grad_model(name, p, dtype, seed, group):
+    """(the forward of a GRAD_SCENARIOS entry on this rank, the module holding its
+    parameters under the unfused pattern's names), seeded as reference_grads seeds."""
+    torch.manual_seed(seed)
+    ref, fused = make_models(p, dtype)
+    if name == "convert_then_fuse":
+        model = fused_ops.fuse(nn.SyncBatchNorm.convert_sync_batchnorm(ref.to(dtype)))
+        return model, model
+    c, bn = fused.conv_transpose, fused.batch_norm
+    if name == "functional":
+        def forward(x):
+            return fused_ops.ct_bn_pool(x, c.weight, c.bias, p.scale, bn.weight, bn.bias,
+                                        bn.running_mean, bn.running_var, True,
+                                        process_group=group, **conv_transpose_options(c))
+        return forward, fused
+    model = fused_ops.ConvTransposeBNPool3d.from_modules(c, p.scale, bn, process_group=group)
+    if name == "ddp":
+        return nn.parallel.DistributedDataParallel(model), model
+    if name == "compiled":
+        return torch.compile(model, backend="aot_eager", fullgraph=True), model
+    return model, model
+
+
+def _gradient_step(rank, batches, calls, originals, name, p, dtype, seed):
+    """A training step's gradients on this rank (loss sum(out * g)) and the collectives
+    of its forward and of its backward (compiled: not counted, as Dynamo cannot trace the
+    counting wrappers' side effect inside the step's autograd.Function)."""
+    forward, module = _grad_model(name, p, dtype, seed, dist.group.WORLD)
+    xs, grads = grad_inputs(name, p, batches, dtype)
+    x = xs[rank].requires_grad_()
+    with _uncounted(originals) if name == "compiled" else contextlib.nullcontext():
+        del calls[:]
+        out = forward(x)
+        collectives = [list(calls)]
+        del calls[:]
+        out.backward(grads[rank])
+        collectives.append(list(calls))
+    return dict(grads={"x": x.grad, **{n: q.grad for n, q in module.named_parameters()}},
+                collectives=collectives)
+
+
+def _eval_backward_collectives(calls):
+    """Collectives of an eval-mode forward and backward of a module with a process group."""
+    torch.manual_seed(0)
+    _, fused = make_models(P, torch.float32)
+    model = fused_ops.ConvTransposeBNPool3d.from_modules(
+        fused.conv_transpose, P.scale, fused.batch_norm, process_group=dist.group.WORLD).eval()
+    x = global_input(P, [2], 0, torch.float32).requires_grad_()
+    del calls[:]
+    model(x).sum().backward()
+    return list(calls)
+
+
 def _worker(rank, world, port, batches, out_dir):
     if os.path.isdir("/sys/class/net/lo"):  # gloo's transport on loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -366,7 +547,7 @@ def _worker(rank, world, port, batches, out_dir):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         calls = []
-        _count_collectives(calls)
+        originals = _count_collectives(calls)
         results = {}
         for name, p, dtype, _ in SCENARIOS:
             model = _scenario_model(name, dist.group.WORLD)
@@ -377,6 +558,9 @@ def _worker(rank, world, port, batches, out_dir):
                                  state={k: v.clone() for k, v in state.items()})
         _group_of_one(rank, world, results)
         results["functional_eval_collectives"] = _functional_eval(calls)
+        results["grads"] = {entry[0]: _gradient_step(rank, batches, calls, originals, *entry)
+                            for entry in GRAD_SCENARIOS}
+        results["eval_backward_collectives"] = _eval_backward_collectives(calls)
         torch.save(results, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -459,3 +643,80 @@ def test_gloo_eval_mode_makes_no_collective(group_run):
     _, results = group_run
     for result in results:
         assert result["functional_eval_collectives"] == []
+
+
+def reference_outputs(ref, xs):
+    """Each rank's output of the unfused pattern `ref` whose BatchNorm normalizes over the
+    union of the ranks' batches `xs`: run on the concatenated batch where the spatial sizes
+    agree, else side by side (side_by_side_outputs)."""
+    if len({x.shape[2:] for x in xs}) == 1:
+        return ref(torch.cat(xs)).split([len(x) for x in xs])
+    return side_by_side_outputs(ref, xs)
+
+
+def side_by_side_outputs(ref, xs):
+    """reference_outputs with every rank's values laid side by side along one dimension,
+    which BatchNorm3d's statistics (over every dimension but the channels') treat as one
+    batch: the ranks' spatial sizes may differ."""
+    zs = [ref.conv_transpose(x) * ref.scale_factor for x in xs]
+    flat = torch.cat([z.transpose(0, 1).flatten(1) for z in zs], 1)  # [C, n]
+    normalized = ref.batch_norm(flat[None, :, :, None, None])[0, :, :, 0, 0]
+    parts = normalized.split([z[:, 0].numel() for z in zs], 1)
+    return [ref.global_avg_pool(part.reshape(z.shape[1], z.shape[0], *z.shape[2:]).transpose(0, 1))
+            for part, z in zip(parts, zs)]
+
+
+def reference_grads(name, p, dtype, seed, batches):
+    """(x's gradient on every rank, every parameter's gradient) of the float64 unfused
+    pattern, with the fused modules' rounded values, for the loss sum over ranks of
+    sum(out_r * g_r)."""
+    torch.manual_seed(seed)
+    ref, fused = make_models(p, dtype)
+    ref.load_state_dict(fused.state_dict())  # the rounded values, back in float64
+    xs, grads = grad_inputs(name, p, batches, dtype)
+    xs = [x.double().requires_grad_() for x in xs]
+    torch.autograd.backward(reference_outputs(ref.train(), xs), [g.double() for g in grads])
+    return [x.grad for x in xs], {n: q.grad for n, q in ref.named_parameters()}
+
+
+def test_side_by_side_reference_is_the_concatenated_batch():
+    """The reference for unequal spatial sizes equals the unfused pattern on the
+    concatenated batch where both apply."""
+    torch.manual_seed(0)
+    ref, _ = make_models(P, torch.float64)
+    xs, _ = grad_inputs("module", P, [2, 3], torch.float64)
+    got = torch.cat(side_by_side_outputs(ref.train(), xs))
+    assert relerr(got, ref(torch.cat(xs))) <= 1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, p, dtype, seed", GRAD_SCENARIOS, ids=[s[0] for s in GRAD_SCENARIOS])
+def test_gloo_group_gradients_match_the_concatenated_batch(group_run, name, p, dtype, seed):
+    """Training over the group, one step: x's gradient on each rank is its part of the
+    float64 reference's (the unfused pattern on the whole batch, the loss the sum over ranks
+    of each rank's sum(out_r g_r)), and each parameter's reference gradient is the SUM over
+    ranks of the ranks' gradients: as nn.SyncBatchNorm's, each rank's is the part of its
+    own batch (DDP averages them: each rank then holds the reference's over the group's size).
+    The forward makes one all-gather, the backward one all-reduce."""
+    batches, results = group_run
+    want_x, want_params = reference_grads(name, p, dtype, seed, batches)
+    world = len(results)
+    for rank, result in enumerate(results):
+        got = result["grads"][name]
+        assert got["grads"]["x"].dtype == dtype
+        assert relerr(got["grads"]["x"], want_x[rank]) <= GRAD_TOL[dtype], rank
+        if name == "ddp":  # the averaged gradients, on every rank
+            assert_gradients_match({n: got["grads"][n] * world for n in want_params},
+                                   want_params, GRAD_TOL[dtype])
+        elif name != "compiled":  # (DDP may add collectives of its own; compiled: uncounted)
+            assert got["collectives"] == [["all_gather_into_tensor"], ["all_reduce"]], rank
+    if name != "ddp":
+        summed = {n: sum(r["grads"][name]["grads"][n] for r in results) for n in want_params}
+        assert_gradients_match(summed, want_params, GRAD_TOL[dtype])
+
+
+@pytest.mark.slow
+def test_gloo_eval_backward_makes_no_collective(group_run):
+    _, results = group_run
+    for result in results:
+        assert result["eval_backward_collectives"] == []
