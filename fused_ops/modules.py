@@ -215,11 +215,8 @@ def ct_bn_pool_by_module(x, weight, bias, scale, bn, training, process_group=Non
     # The modules' options are ConvTranspose3d's own (checked by it): the op's lean path.
     out = call_op(x, weight, bias, float(scale), bn.weight, bn.bias,
                   bn.running_mean if track else None, bn.running_var if track else None,
-                  use_batch_stats, factor, float(bn.eps), dict(_OP_DEFAULTS, **options), group)
+                  use_batch_stats, factor, float(bn.eps), options, group)
     if counting:
         bn.num_batches_tracked.add_(1)
     return out
 
-
-# ct_bn_pool's keyword arguments when not given (csrc/ops.cpp's schema).
-_OP_DEFAULTS = dict(stride=1, padding=0, output_padding=0, dilation=1, groups=1, algo="auto")
