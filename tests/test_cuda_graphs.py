@@ -124,31 +124,25 @@ def test_eval_replay_reads_weight_and_bn_inputs_anew():
 
 
 # torch.compile's CUDA graph trees: warm-up runs allocate from the graph's memory pool, and a
-# tensor left there (a cached table) is refused. Stride 1 without padding for the FFT and
-# spectral paths, a padded problem for the box-sum and border paths.
+# tensor left there (a cached table) is refused; the table-caching paths (fft, cross_spectrum,
+# border) must build theirs outside it. Stride 1 without padding for the FFT and spectral
+# paths, a padded problem for the box-sum and border paths.
 OVERHEAD_PROBLEMS = {"plain": Problem(3, 4, 6, (5, 6, 7), (2, 3, 2)),
                      "padded": Problem(3, 4, 6, (5, 6, 7), (3, 3, 3), conv_kwargs=dict(padding=1))}
 OVERHEAD_MODES = [(False, "auto"), (True, "auto"), (True, "fft"), (True, "direct"),
                   (True, "sliced_conv"), (True, "cross_spectrum"), (True, "border")]
-# Graph trees route every allocation of the warming-up thread to the pool, whatever the
-# stream: the tables these paths cache are still built there (docs/performance.md, known gaps).
-TABLE_PATHS = ("fft", "cross_spectrum", "border")
 
 
 @pytest.mark.parametrize("mode", OVERHEAD_MODES,
                          ids=[f"{'train' if t else 'eval'}-{a}" for t, a in OVERHEAD_MODES])
 @pytest.mark.parametrize("name", OVERHEAD_PROBLEMS)
-def test_compile_reduce_overhead(name, mode, request):
+def test_compile_reduce_overhead(name, mode):
     """Steps of torch.compile(mode="reduce-overhead") match the unfused modules' outputs and
     state step by step, and run as CUDA graphs (none skipped)."""
     from torch._dynamo.utils import counters
 
     problem, (training, algo) = OVERHEAD_PROBLEMS[name], mode
     skip_unless_algo_covers(problem, algo, "cuda")
-    if algo in TABLE_PATHS:
-        request.applymarker(pytest.mark.xfail(
-            raises=RuntimeError, strict=True,
-            reason="cached tables are allocated in the graph trees' pool (known gap)"))
     torch._dynamo.reset()
     counters.clear()
     ref, fused = make_models(problem, torch.float32, "cuda", algo=algo)

@@ -5,11 +5,10 @@
 // (docs/performance.md).
 //
 // A cached table outlives the call that made it, so the backend builds it apart
-// (Backend::build_tables_apart: CUDA on a stream of the library's own, waited for, so that
-// any stream may read it) and refuses while the current stream is being captured into a
-// CUDA graph: then the tables are built for that call alone, inside the graph. Not yet
-// apart from torch.compile's CUDA graph trees, which route every allocation of the
-// warming-up thread to their pool, whatever the stream (docs/performance.md, known gaps).
+// (Backend::build_tables_apart: CUDA on a thread and a stream of the library's own, waited
+// for, so that any stream may read it and no CUDA graph's memory pool holds it) and refuses
+// while the current stream is being captured into a CUDA graph: then the tables are built for
+// that call alone, inside the graph.
 #include <ATen/ATen.h>
 #include <c10/util/FunctionRef.h>
 

@@ -6,7 +6,9 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <array>
+#include <exception>
 #include <mutex>
+#include <thread>
 
 namespace fused_ops {
 namespace {
@@ -30,6 +32,9 @@ c10::cuda::CUDAStream table_stream(c10::DeviceIndex index) {
 
 // cudaStreamIsCapturing is one of the calls capture allows. The tables read nothing the
 // current stream writes (they depend on the geometry alone), so the build need not wait for it.
+// The build runs on a thread of its own: torch.compile's CUDA graph trees route every
+// allocation of the warming-up *thread* to the graph's pool, whatever the stream, and a table
+// made there would stay in that pool untracked. A miss happens once per geometry and device.
 bool build_tables_apart_cuda(const at::Device& device, c10::function_ref<void()> build) {
   const c10::cuda::CUDAGuard guard(device);
   const c10::cuda::CUDAStream current = at::cuda::getCurrentCUDAStream(device.index());
@@ -37,11 +42,19 @@ bool build_tables_apart_cuda(const at::Device& device, c10::function_ref<void()>
   C10_CUDA_CHECK(cudaStreamIsCapturing(current.stream(), &status));
   if (status != cudaStreamCaptureStatusNone) return false;
   const c10::cuda::CUDAStream side = table_stream(device.index());
-  {
-    const c10::cuda::CUDAStreamGuard on_side(side);
-    build();
-  }
-  side.synchronize();  // complete before any stream reads them
+  std::exception_ptr failure;
+  std::thread worker([&] {
+    try {
+      const c10::cuda::CUDAGuard on_device(device);
+      const c10::cuda::CUDAStreamGuard on_side(side);
+      build();
+      side.synchronize();  // complete before any stream reads them
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  });
+  worker.join();
+  if (failure) std::rethrow_exception(failure);
   return true;
 }
 

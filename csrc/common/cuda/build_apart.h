@@ -1,6 +1,6 @@
 #pragma once
-// Backend::build_tables_apart on CUDA (common/table_cache.h): cached tables built on a stream
-// of this library's own and waited for, so that every stream may read them.
+// Backend::build_tables_apart on CUDA (common/table_cache.h): cached tables built on a thread
+// and a stream of this library's own and waited for, so that every stream may read them.
 #include <ATen/ATen.h>
 #include <c10/util/FunctionRef.h>
 
