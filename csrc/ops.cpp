@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/variable.h>
 #include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/GradMode.h>
 #include <torch/library.h>
 
 #include <string>
@@ -27,22 +28,26 @@ std::string build_info() { return FUSED_OPS_BUILD_INFO; }
 std::string set_route_op(std::string knob, std::string route) { return set_route(knob, route); }
 int64_t set_limit_op(std::string name, int64_t value) { return set_limit(name, value); }
 
+// ct_bn_pool's arguments, shared with the overloads its Autograd kernel calls (below).
+const std::string kCtBnPoolArguments =
+    "(Tensor x, Tensor weight, Tensor? bias, float scale, Tensor? bn_weight, Tensor? bn_bias, "
+    "Tensor(a!)? running_mean, Tensor(b!)? running_var, bool training, float momentum=0.1, "
+    "float eps=1e-05, *, int[3] stride=1, int[3] padding=0, int[3] output_padding=0, "
+    "int[3] dilation=1, int groups=1, str algo=\"auto\") -> Tensor";
+const std::string kNoStatsArguments =
+    "(Tensor x, Tensor weight, Tensor? bias, float scale, Tensor? bn_weight, Tensor? bn_bias, "
+    "float eps=1e-05, *, int[3] stride=1, int[3] padding=0, int[3] output_padding=0, "
+    "int[3] dilation=1, int groups=1, str algo=\"auto\") -> Tensor";
+
 }  // namespace
 
 TORCH_LIBRARY(fused_ops, m) {
-  m.def(
-      "ct_bn_pool(Tensor x, Tensor weight, Tensor? bias, float scale, Tensor? bn_weight, "
-      "Tensor? bn_bias, Tensor(a!)? running_mean, Tensor(b!)? running_var, bool training, "
-      "float momentum=0.1, float eps=1e-05, *, int[3] stride=1, int[3] padding=0, "
-      "int[3] output_padding=0, int[3] dilation=1, int groups=1, str algo=\"auto\") -> Tensor");
+  m.def(("ct_bn_pool" + kCtBnPoolArguments).c_str());
   // Batch statistics and no running statistics (BatchNorm's track_running_stats=False),
   // as aten's _native_batch_norm_legit.no_stats: an overload that mutates nothing, so
   // that torch.compile does not functionalize a call that has no mutated tensor (inductor,
   // torch 2.14, fails on such a call of the default overload).
-  m.def(
-      "ct_bn_pool.no_stats(Tensor x, Tensor weight, Tensor? bias, float scale, Tensor? bn_weight, "
-      "Tensor? bn_bias, float eps=1e-05, *, int[3] stride=1, int[3] padding=0, "
-      "int[3] output_padding=0, int[3] dilation=1, int groups=1, str algo=\"auto\") -> Tensor");
+  m.def(("ct_bn_pool.no_stats" + kNoStatsArguments).c_str());
   // The two halves of ct_bn_pool's training mode, for statistics merged across
   // processes in between (fused_ops/distributed.py, docs/math.md §4.1).
   m.def(
@@ -57,6 +62,11 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "ct_bn_pool_apply.no_stats(Tensor sample_sums, Tensor stats, int spatial, Tensor? bias, "
       "float scale, Tensor? bn_weight, Tensor? bn_bias, float eps, ScalarType dtype) -> Tensor");
+  // ct_bn_pool as its autograd formula sees it: the Autograd kernel of ct_bn_pool calls these
+  // when a gradient can flow (below), and fused_ops/_autograd.py registers the formula on
+  // them. Below autograd they are ct_bn_pool itself.
+  m.def(("_ct_bn_pool_differentiable" + kCtBnPoolArguments).c_str());
+  m.def(("_ct_bn_pool_differentiable.no_stats" + kNoStatsArguments).c_str());
   m.def("build_info() -> str", &build_info);
   // The testing hook behind fused_ops.testing (testing_hooks.h): not for production use.
   m.def("_set_route(str knob, str route) -> str", &set_route_op);
@@ -86,19 +96,68 @@ void ct_bn_pool_bump_versions(const c10::OperatorHandle& op, c10::DispatchKeySet
   }
 }
 
+// Whether a gradient can flow out of a call with these arguments: grad mode on and some
+// tensor argument requiring grad.
+bool gradient_can_flow(torch::jit::Stack* stack, size_t count) {
+  if (!c10::GradMode::is_enabled()) return false;
+  for (auto it = stack->end() - count; it != stack->end(); ++it) {
+    if (it->isTensor() && it->toTensor().requires_grad()) return true;
+  }
+  return false;
+}
+
+// ct_bn_pool's Autograd kernel. Without a gradient to flow (every inference call, also
+// under no_grad) the call goes below autograd in C++; a Python kernel would run on every
+// call, a large share of a small call's host time. Otherwise the formula: the
+// _ct_bn_pool_differentiable overload of the same name, whose Autograd kernel is Python's.
+void ct_bn_pool_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  if (gradient_can_flow(stack, op.schema().arguments().size())) {
+    static const c10::OperatorHandle with_formula[2] = {
+        c10::Dispatcher::singleton().findSchemaOrThrow("fused_ops::_ct_bn_pool_differentiable", ""),
+        c10::Dispatcher::singleton().findSchemaOrThrow("fused_ops::_ct_bn_pool_differentiable", "no_stats")};
+    with_formula[op.schema().overload_name() == "no_stats"].callBoxed(stack);
+    return;
+  }
+  at::AutoDispatchBelowAutograd guard;
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+// _ct_bn_pool_differentiable below autograd (its formula's forward calls ct_bn_pool itself;
+// this serves any other path there, fake tensors included): ct_bn_pool of the same overload.
+void differentiable_below_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  static const c10::OperatorHandle plain[2] = {
+      c10::Dispatcher::singleton().findSchemaOrThrow("fused_ops::ct_bn_pool", ""),
+      c10::Dispatcher::singleton().findSchemaOrThrow("fused_ops::ct_bn_pool", "no_stats")};
+  plain[op.schema().overload_name() == "no_stats"].callBoxed(stack);
+}
+
 }  // namespace
 
-// ct_bn_pool's autograd formula is registered in Python (fused_ops/_autograd.py).
+// ct_bn_pool's autograd formula is registered in Python (fused_ops/_autograd.py) on
+// _ct_bn_pool_differentiable, which ct_bn_pool's Autograd kernel calls when a gradient can flow.
 // The two halves of the synchronized training step have no backward: one
 // through them raises, naming the op, instead of returning wrong gradients, and
 // their in-place writes to the running stats bump the versions.
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
+  for (const char* op : {"ct_bn_pool", "ct_bn_pool.no_stats"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&ct_bn_pool_autograd>());
+  }
   for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply", "ct_bn_pool_apply.no_stats"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
 }
+TORCH_LIBRARY_IMPL(fused_ops, CompositeExplicitAutograd, m) {
+  for (const char* op : {"_ct_bn_pool_differentiable", "_ct_bn_pool_differentiable.no_stats"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&differentiable_below_autograd>());
+  }
+}
 TORCH_LIBRARY_IMPL(fused_ops, ADInplaceOrView, m) {
-  m.impl("ct_bn_pool", torch::CppFunction::makeFromBoxedFunction<&ct_bn_pool_bump_versions>());
+  // Also on _ct_bn_pool_differentiable: a kernel here keeps ADInplaceOrView in the key set its
+  // Python formula redispatches ct_bn_pool with (the dispatcher leaves out a key whose kernel
+  // falls through), so that ct_bn_pool's bump runs on that path too.
+  for (const char* op : {"ct_bn_pool", "_ct_bn_pool_differentiable"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&ct_bn_pool_bump_versions>());
+  }
   for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply", "ct_bn_pool_apply.no_stats"}) {
     m.impl(op, torch::autograd::autogradNotImplementedInplaceOrViewFallback());
   }

@@ -12,17 +12,19 @@ writes ``running_mean``/``running_var`` (``Tensor(a!)?``). So the two kernels th
 ``register_autograd`` and ``torch.library.custom_op`` would register are registered
 directly:
 
-- ``Autograd`` (here, in Python): an ``autograd.Function`` around the op when an input
-  requires grad, the op alone otherwise;
+- ``Autograd``: an ``autograd.Function`` around the op when a gradient can flow (Python,
+  here), the op alone otherwise (C++; see below);
 - ``ADInplaceOrView`` (``csrc/ops.cpp``, in C++ since it runs on every call): bumps the
   running statistics' version counters when the call writes them (``training=True``), as
   every in-place op does, so that autograd detects a saved tensor changed under it. Eval
   mode does not write them and does not bump them: a bump would invalidate, for nothing,
   graphs that saved them.
 
-The Python kernel runs on every call from Python, also under ``torch.no_grad()`` (host
-time; ``docs/performance.md``), unless autograd is off for the tensors
-(``torch.inference_mode``).
+The Python kernel runs only when a gradient can flow (grad mode on and an input requiring
+grad): ct_bn_pool's own Autograd kernel is C++ (``csrc/ops.cpp``), which goes below autograd
+at once otherwise and else calls the overload ``_ct_bn_pool_differentiable`` of the same
+schema, on which the Python kernel below is registered. Every inference call, also under
+``torch.no_grad()``, thus stays in C++ (host time; ``docs/performance.md``).
 
 PyTorch's compile caches (FX graph, AOTAutograd) key on the traced graph, not on these
 kernels: after changing this file or ``_box_sums.py``, clear them or set
@@ -313,5 +315,8 @@ def _ct_bn_pool_no_stats_autograd(keyset, *args, **kwargs):
     return _redispatch_below_autograd("no_stats", keyset, args, kwargs)
 
 
-_LIB.impl("ct_bn_pool", _ct_bn_pool_autograd, "Autograd", with_keyset=True)
-_LIB.impl("ct_bn_pool.no_stats", _ct_bn_pool_no_stats_autograd, "Autograd", with_keyset=True)
+# ct_bn_pool's own Autograd kernel (csrc/ops.cpp) calls these overloads when a gradient can
+# flow, and goes below autograd in C++ otherwise.
+_LIB.impl("_ct_bn_pool_differentiable", _ct_bn_pool_autograd, "Autograd", with_keyset=True)
+_LIB.impl("_ct_bn_pool_differentiable.no_stats", _ct_bn_pool_no_stats_autograd, "Autograd",
+          with_keyset=True)
