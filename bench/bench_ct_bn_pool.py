@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import fused_ops
+import fused_ops.testing
 from clocks import (MIN_INPUTS, SLEEP_US, SLOW_CALL_MS, SLOW_CALL_REPS, WARMUP_CALLS, Clock,
                     CpuClock, CudaClock, InputRing, Timing, as_memory_format, l2_bytes, loop_calls)
 from problems import ALL_PROBLEMS, REAL_CUDA, SEED_CUDA, SWEEPS, Problem, default_problems
@@ -517,6 +518,8 @@ def parse_args():
     parser.add_argument("--compile-problems",
                         help="comma-separated problems that time torch.compile (default: all)")
     parser.add_argument("--algos", default="auto", help="train-mode algos of the fused op")
+    parser.add_argument("--backward", choices=("auto", "aten", "spectral"), default="auto",
+                        help="training backward's route for the fused op (fused_ops.testing.route)")
     parser.add_argument("--memory-format", choices=MEMORY_FORMATS, default="contiguous",
                         help="layout of every input x, for all three implementations")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
@@ -567,7 +570,8 @@ def result_path(args, meta) -> Path:
     sweep = "" if args.sweep == "seed" else "-" + args.sweep
     layout = "" if args.memory_format == "contiguous" else "-" + args.memory_format
     step = "-step" if "step" in args.passes else ""
-    return args.out / f"{meta['gpu']}-{meta['date']}{sweep}{layout}{step}.json"
+    backward = "" if args.backward == "auto" else "-" + args.backward
+    return args.out / f"{meta['gpu']}-{meta['date']}{sweep}{layout}{step}{backward}.json"
 
 
 def main():
@@ -579,7 +583,7 @@ def main():
     else:
         gpu, clock = "cpu", CpuClock()
     meta = {"gpu": gpu, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "sweep": args.sweep, "memory_format": args.memory_format,
+            "sweep": args.sweep, "memory_format": args.memory_format, "backward": args.backward,
             "command": " ".join(["python"] + sys.argv)}
     print_header(args, clock, meta)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -587,7 +591,7 @@ def main():
     rows = []
     # No autograd graph outside the step pass (which enables grad for itself): forward rows
     # build none for the reference either.
-    with torch.no_grad():
+    with torch.no_grad(), fused_ops.testing.route(backward=args.backward):
         for name, problem in args.problems.items():
             rows += bench_problem(name, problem, args, clock, meta)
             path.write_text(json.dumps(rows, indent=1) + "\n")  # after each problem: a crash keeps the rest

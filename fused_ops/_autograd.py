@@ -43,10 +43,12 @@ raises. The synchronized step as a whole is differentiated by ``distributed.py``
 ``autograd.Function``, with the training helpers below given the group's statistics and a
 sum over the group (docs/math.md §6.2.1).
 """
+import math
+
 import torch
 from torch import Tensor
 
-from . import _box_sums
+from . import _box_sums, _spectral_backward
 from .distributed import out_size
 
 _LIB = torch.library.Library("fused_ops", "IMPL")  # kept alive: registrations live as long as it
@@ -232,8 +234,61 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
     if bias is not None:
         grads["bias"] = torch.zeros_like(bias)  # the batch mean removes it
     if needs["x"] or needs["weight"] or needs["bn_weight"]:
-        grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum,
-                                              stats, all_reduce))
+        output_grads = (_spectral_output_grads if _spectral_backward.chosen(ctx.conv, weight)
+                        else _normalized_output_grads)
+        grads.update(output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum, stats,
+                                  all_reduce))
+    return grads
+
+
+def _batch_means(sums: Tensor, batch: int, positions, stats, all_reduce) -> Tensor:
+    """[mean_b g, mean_b g zbar] from this process's [sum_b g, sum_b g zbar] ``sums``: over x's
+    batch, or over the group's (§6.2.1), each sample weighted by its share N / n."""
+    if all_reduce is not None:
+        sums = all_reduce(sums)
+    if stats is None:
+        return sums / batch
+    return sums * (positions / stats[0]).to(sums.dtype)
+
+
+def _spectral_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum, stats=None,
+                           all_reduce=None):
+    """§6.2.2: the gradients of :func:`_normalized_output_grads` without the convolution
+    output, dL/dy = A + K (y - mean) split into its constant field and its spectral part."""
+    compute, c = _compute_dtype(x.dtype), ctx.conv
+    groups = c["groups"]
+    # The forward's sums and statistics of y (without bias), float64: [B, C] and [3, C].
+    sums, own = torch.ops.fused_ops.ct_bn_pool_stats(
+        x, weight, stride=c["stride"], padding=c["padding"], output_padding=c["output_padding"],
+        dilation=c["dilation"], groups=groups)
+    count, mean, m2 = (own if stats is None else stats).unbind(0)
+    var = m2 / count
+    n = math.prod(out_size(x, weight, c["stride"], c["padding"], c["output_padding"],
+                           c["dilation"]))
+    z_unit = ctx.scale * torch.rsqrt(var * ctx.scale ** 2 + ctx.eps)  # float64 [C]
+    zbar = (z_unit * (sums / n - mean)).to(compute)  # [B, C]
+    g = grad_out.flatten(1).to(compute)
+    grads = {"bn_weight": (g * zbar).sum(0)}
+    if not (needs["x"] or needs["weight"]):
+        return grads
+    means = _batch_means(torch.stack([g_sum, grads["bn_weight"]]), x.shape[0], n, stats,
+                         all_reduce)
+    z_unit = z_unit.to(compute)
+    gain = z_unit if bn_weight is None else bn_weight.to(compute) * z_unit
+    coef = gain / n
+    field = coef * (g - means[0])  # A[b, c]
+    k = -coef * means[1] * z_unit  # K_c
+    grid = _spectral_backward.Grid(x, weight, c, compute)
+    masks = _box_sums.tap_masks(x, weight, grid.full, c, compute)
+    k_x, k_weight = _spectral_backward.k_part(grid, k, sums - n * mean, x.shape[2:],
+                                              needs["x"], needs["weight"])
+    weight_c = weight.to(compute)
+    if needs["x"]:
+        taps = _input_gradient_taps(field, weight_c, groups)
+        grads["x"] = _box_sums.spread(taps, masks, compute) + k_x
+    if needs["weight"]:
+        tap_sums = _box_sums.box_sums(x, masks, compute)
+        grads["weight"] = _weight_gradient_sums(field, tap_sums, weight, groups) + k_weight
     return grads
 
 
@@ -267,15 +322,10 @@ def _normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum, 
     g_zbar = g * zhat.mean((2, 3, 4), keepdim=True, dtype=compute)  # g * (pooled zhat)
     grads = {"bn_weight": g_zbar.sum(0).flatten()}
     if needs["x"] or needs["weight"]:
-        sums = torch.stack([g_sum, grads["bn_weight"]])  # [2, C]: sum_b g, sum_b g zbar
-        if all_reduce is not None:
-            sums = all_reduce(sums)  # over the group's batch
-        sums = sums.view(2, 1, -1, 1, 1, 1)
         positions = zhat.shape[2] * zhat.shape[3] * zhat.shape[4]  # N (zhat may have B = 0)
-        # mean_b g and mean_b (g zbar) over the batch's samples, each weighted by its share
-        # N / n of the batch's n values: 1 / B for x's own batch.
-        means = (sums / zhat.shape[0] if stats is None
-                 else sums * (positions / stats[0]).to(compute).view(1, -1, 1, 1, 1))
+        # [2, C]: sum_b g, sum_b g zbar, then their means over the batch
+        means = _batch_means(torch.stack([g_sum, grads["bn_weight"]]), zhat.shape[0], positions,
+                             stats, all_reduce).view(2, 1, -1, 1, 1, 1)
         gamma = None if bn_weight is None else bn_weight.to(compute).view(1, -1, 1, 1, 1)
         gain = z_unit if gamma is None else gamma * z_unit
         coef = gain / positions  # gamma scale / (sqrt(var_z + eps) N)

@@ -19,6 +19,9 @@ contraction ``gemm``             the cross-spectrum contraction by cuBLAS and a 
                                  kernel instead of the fused tensor-core kernel
 overlap    ``off``               kernels launched one after another instead of with
                                  programmatic dependent launch (for profiling)
+backward   ``aten``, ``spectral`` training mode's backward (CPU and CUDA): the recomputed
+                                 convolution and ATen's ``convolution_backward``, or the
+                                 spectral path (stride 1, no padding; elsewhere it raises)
 ========== ===================== =============================================================
 
 Limits (``limit(...)``), in the units named, ``0`` restoring the built-in value:
@@ -37,6 +40,8 @@ from typing import Dict, Iterator
 
 import torch
 
+from . import _spectral_backward
+
 __all__ = ["route", "limit"]
 
 
@@ -49,11 +54,27 @@ def route(**routes: str) -> Iterator[None]:
     previous: Dict[str, str] = {}
     try:
         for knob, value in routes.items():
-            previous[knob] = torch.ops.fused_ops._set_route(knob, str(value))
+            previous[knob] = _set_route(knob, str(value))
         yield
     finally:
         for knob, value in previous.items():
-            torch.ops.fused_ops._set_route(knob, value)
+            _set_route(knob, value)
+
+
+# Knobs of the Python layer: knob -> (module holding ROUTE, its values besides "auto").
+_PYTHON_KNOBS = {"backward": (_spectral_backward, ("aten", "spectral"))}
+
+
+def _set_route(knob: str, value: str) -> str:
+    """Sets one knob, in Python or in the extension; returns its previous value."""
+    if knob not in _PYTHON_KNOBS:
+        return torch.ops.fused_ops._set_route(knob, value)
+    module, values = _PYTHON_KNOBS[knob]
+    if value not in ("auto", *values):
+        raise RuntimeError(f"fused_ops.testing.route: {knob} must be one of "
+                           f"{', '.join(repr(v) for v in ('auto', *values))}, got '{value}'")
+    previous, module.ROUTE = module.ROUTE, value
+    return previous
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fused_ops
+import fused_ops.testing
 from conftest import (DEVICES, GRAD_TOL, HALF_TYPES, Problem, assert_gradients_match,
                       make_dtype_models, make_input, make_models, run_backward)
 
@@ -169,6 +170,76 @@ def test_eval_backward_is_conv_free(requested, dtype):
     bound = 2 * max(x.numel(), fused.conv_transpose.weight.numel())
     assert WIDE.batch * WIDE.out_channels * math.prod(WIDE.out_size()) > 4 * bound
     with _OpRecorder() as recorder:
+        grads = torch.autograd.grad(out, inputs, torch.randn_like(out))
+    names = {name for name, _ in recorder.ops}
+    assert not {n for n in names if "convolution" in n}, names
+    assert max(size for _, size in recorder.ops) <= bound, recorder.ops
+    assert all(g.shape == i.shape for g, i in zip(grads, inputs))
+
+
+# Stride 1 without padding: the training backward's two routes (docs/dispatch.md).
+SPECTRAL_PROBLEMS = [p for p in PROBLEMS if p.triple("stride", 1) == (1, 1, 1)
+                     and p.triple("padding", 0) == (0, 0, 0)
+                     and p.triple("output_padding", 0) == (0, 0, 0)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtypes", DTYPES, ids=dtype_ids)
+@pytest.mark.parametrize("route", ["aten", "spectral"])
+@pytest.mark.parametrize("problem", SPECTRAL_PROBLEMS, ids=Problem.ids)
+def test_training_backward_routes_match_float64(problem, route, dtypes, device):
+    """Each route of training mode's backward, forced, against the float64 modules, as
+    test_gradients_match_float64; float32/float64 x far from zero mean, where the spectral
+    route's centered zero frequency matters (the ATen route's conv output in float16 loses
+    such an offset's digits, as PyTorch's own does)."""
+    conv_dtype, bn_dtype = dtypes
+    ref, fused = make_dtype_models(problem, conv_dtype, bn_dtype, device)
+    x = make_input(problem, conv_dtype, offset=0.0 if conv_dtype in HALF_TYPES else 3.0)
+    grad_out = torch.randn(problem.batch, problem.out_channels, 1, 1, 1,
+                           dtype=torch.float64).to(conv_dtype)
+    _, want = run_backward(ref, x.double(), grad_out.double())
+    with no_tf32(), fused_ops.testing.route(backward=route):
+        _, got = run_backward(fused, x.to(device), grad_out.to(device))
+    assert set(got) == set(want)
+    assert_gradients_match(got, want, GRAD_TOL[conv_dtype])
+
+
+def test_spectral_route_refuses_what_it_does_not_cover():
+    _, fused = make_models(PROBLEMS[3], torch.float64)  # stride 2
+    x = make_input(PROBLEMS[3], torch.float64).requires_grad_()
+    out = fused(x)
+    with fused_ops.testing.route(backward="spectral"), pytest.raises(
+            RuntimeError, match="stride 1, padding 0"):
+        out.sum().backward()
+    with pytest.raises(RuntimeError, match="backward must be one of"):
+        with fused_ops.testing.route(backward="fast"):
+            pass
+
+
+# A training problem whose conv output is many times x's spectrum: Co and the kernel large.
+SPECTRAL_WIDE = Problem(2, 3, 16, (6, 6, 6), (3, 3, 3))
+
+
+@pytest.mark.parametrize("requested", [("x",), ("weight",), ("bn_weight",),
+                                       ("x", "weight", "bias", "bn_weight", "bn_bias")],
+                         ids="-".join)
+def test_spectral_training_backward_is_conv_free(requested, monkeypatch):
+    """docs/math.md §6.2.2: no convolution, and with one frequency plane per slab no op
+    output beyond x on the output's grid (the conv output here is several times that)."""
+    monkeypatch.setattr(fused_ops._spectral_backward, "SLAB_BYTES", 1)
+    p = SPECTRAL_WIDE
+    _, fused = make_models(p, torch.float64)
+    x = make_input(p, torch.float64).requires_grad_("x" in requested)
+    params = dict(weight=fused.conv_transpose.weight, bias=fused.conv_transpose.bias,
+                  bn_weight=fused.batch_norm.weight, bn_bias=fused.batch_norm.bias)
+    for name, param in params.items():
+        param.requires_grad_(name in requested)
+    inputs = [x] * ("x" in requested) + [q for n, q in params.items() if n in requested]
+    out = fused(x)
+    full = p.out_size()
+    bound = max(p.batch * p.in_channels * math.prod(full), fused.conv_transpose.weight.numel())
+    assert p.batch * p.out_channels * math.prod(full) > 4 * bound
+    with fused_ops.testing.route(backward="spectral"), _OpRecorder() as recorder:
         grads = torch.autograd.grad(out, inputs, torch.randn_like(out))
     names = {name for name, _ in recorder.ops}
     assert not {n for n in names if "convolution" in n}, names

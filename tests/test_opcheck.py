@@ -8,6 +8,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import fused_ops
+import fused_ops.testing
 from conftest import (DEVICES, FAMILIES, HALF_TYPES, Reference, make_dtype_models,
                       make_input, make_models, op_conv_options, skip_unless_algo_covers)
 from fused_ops import distributed
@@ -100,6 +101,25 @@ def test_calls_with_inputs_requiring_grad(family, training, form, device):
     calls = captured_calls(model, x)
     assert any(isinstance(a, torch.Tensor) and a.requires_grad for a in calls[0][1])
     opcheck_calls(calls)
+
+
+# The families with stride 1 and no padding, which the backward's spectral route covers.
+SPECTRAL_FAMILIES = [name for name, p in FAMILIES.items()
+                     if p.triple("stride", 1) == (1, 1, 1) and p.triple("padding", 0) == (0, 0, 0)
+                     and p.triple("output_padding", 0) == (0, 0, 0)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", SPECTRAL_FAMILIES)
+def test_training_calls_with_the_spectral_backward(family, device):
+    """test_calls_with_inputs_requiring_grad's training calls with the backward's spectral
+    route forced (CUDA's dispatch takes it there, the CPU's does not)."""
+    problem = FAMILIES[family]
+    model = family_model(problem, "module", ("train", "auto"), device, torch.float64)
+    x = make_input(problem, torch.float64, device).requires_grad_()
+    calls = captured_calls(model, x)
+    with fused_ops.testing.route(backward="spectral"):
+        opcheck_calls(calls)
 
 
 def dtype_ids(dtypes):
