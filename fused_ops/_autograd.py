@@ -48,7 +48,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import _box_sums, _spectral_backward
+from . import _backward_routes, _box_sums, _gram_backward, _spectral_backward
 from .distributed import out_size
 
 _LIB = torch.library.Library("fused_ops", "IMPL")  # kept alive: registrations live as long as it
@@ -234,10 +234,13 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
     if bias is not None:
         grads["bias"] = torch.zeros_like(bias)  # the batch mean removes it
     if needs["x"] or needs["weight"] or needs["bn_weight"]:
-        output_grads = (_spectral_output_grads if _spectral_backward.chosen(ctx.conv, weight)
-                        else _normalized_output_grads)
-        grads.update(output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum, stats,
-                                  all_reduce))
+        route = _backward_routes.chosen(ctx.conv, weight)
+        if route == "aten":
+            grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight,
+                                                  g_sum, stats, all_reduce))
+        else:
+            grads.update(_conv_free_output_grads(route, ctx, grad_out, needs, x, weight,
+                                                 bn_weight, g_sum, stats, all_reduce))
     return grads
 
 
@@ -251,10 +254,11 @@ def _batch_means(sums: Tensor, batch: int, positions, stats, all_reduce) -> Tens
     return sums * (positions / stats[0]).to(sums.dtype)
 
 
-def _spectral_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum, stats=None,
-                           all_reduce=None):
-    """§6.2.2: the gradients of :func:`_normalized_output_grads` without the convolution
-    output, dL/dy = A + K (y - mean) split into its constant field and its spectral part."""
+def _conv_free_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g_sum,
+                            stats=None, all_reduce=None):
+    """§6.2.2, §6.2.3: the gradients of :func:`_normalized_output_grads` without the
+    convolution output, dL/dy = A + K (y - mean) split into its constant field and its K part,
+    the latter by ``route`` ("spectral" or "gram")."""
     compute, c = _compute_dtype(x.dtype), ctx.conv
     groups = c["groups"]
     # The forward's sums and statistics of y (without bias), float64: [B, C] and [3, C].
@@ -263,8 +267,8 @@ def _spectral_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum, st
         dilation=c["dilation"], groups=groups)
     count, mean, m2 = (own if stats is None else stats).unbind(0)
     var = m2 / count
-    n = math.prod(out_size(x, weight, c["stride"], c["padding"], c["output_padding"],
-                           c["dilation"]))
+    size = out_size(x, weight, c["stride"], c["padding"], c["output_padding"], c["dilation"])
+    n = math.prod(size)
     z_unit = ctx.scale * torch.rsqrt(var * ctx.scale ** 2 + ctx.eps)  # float64 [C]
     zbar = (z_unit * (sums / n - mean)).to(compute)  # [B, C]
     g = grad_out.flatten(1).to(compute)
@@ -278,13 +282,16 @@ def _spectral_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum, st
     coef = gain / n
     field = coef * (g - means[0])  # A[b, c]
     k = -coef * means[1] * z_unit  # K_c
-    grid = _spectral_backward.Grid(x, weight, c, compute)
-    masks = _box_sums.tap_masks(x, weight, grid.full, c, compute)
-    k_x, k_weight = _spectral_backward.k_part(grid, k, sums - n * mean, x.shape[2:],
-                                              needs["x"], needs["weight"])
-    weight_c = weight.to(compute)
+    if route == "gram":
+        k_x, k_weight = _gram_backward.k_part(x, weight, k, mean, groups, needs["x"],
+                                              needs["weight"])
+    else:
+        grid = _spectral_backward.Grid(x, weight, c, compute)
+        k_x, k_weight = _spectral_backward.k_part(grid, k, sums - n * mean, x.shape[2:],
+                                                  needs["x"], needs["weight"])
+    masks = _box_sums.tap_masks(x, weight, size, c, compute)
     if needs["x"]:
-        taps = _input_gradient_taps(field, weight_c, groups)
+        taps = _input_gradient_taps(field, weight.to(compute), groups)
         grads["x"] = _box_sums.spread(taps, masks, compute) + k_x
     if needs["weight"]:
         tap_sums = _box_sums.box_sums(x, masks, compute)

@@ -20,37 +20,16 @@ import math
 import torch
 from torch import Tensor
 
-from . import _box_sums
 
 # Bytes of the per-slab tensors (the weight's spectrum, Y, x's spectrum regrouped) aimed at.
 SLAB_BYTES = 64 << 20
-# fused_ops.testing.route(backward=...): "auto", or "aten" / "spectral" forced.
-ROUTE = "auto"
 
 
-def supported(conv: dict) -> bool:
+def supported(conv: dict, weight: Tensor = None) -> bool:
     """Stride 1, no padding, no output padding: the output is x's full transposed
-    convolution, which a product of spectra gives exactly."""
+    convolution, which a product of spectra gives exactly (any weight)."""
     return (all(s == 1 for s in conv["stride"]) and not any(conv["padding"])
             and not any(conv["output_padding"]))
-
-
-def worth_it(conv: dict, weight: Tensor) -> bool:
-    """The dispatch (docs/dispatch.md): on CUDA, supported and more than one tap per
-    dimension on average (with one tap the convolution is a plain GEMM). On the CPU the
-    per-frequency products are thousands of tiny GEMMs, slower than ATen's convolutions."""
-    return (weight.is_cuda and supported(conv)
-            and weight.shape[2] * weight.shape[3] * weight.shape[4] >= 8)
-
-
-def chosen(conv: dict, weight: Tensor) -> bool:
-    """Whether the backward takes this path: the dispatch, or the route a test forced."""
-    if ROUTE == "spectral":
-        if not supported(conv):
-            raise RuntimeError("fused_ops.testing.route(backward='spectral'): the spectral "
-                               "backward needs stride 1, padding 0 and output_padding 0")
-        return True
-    return ROUTE == "auto" and worth_it(conv, weight)
 
 
 def _full_size(x: Tensor, weight: Tensor, dilation) -> list:

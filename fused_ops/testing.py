@@ -19,9 +19,10 @@ contraction ``gemm``             the cross-spectrum contraction by cuBLAS and a 
                                  kernel instead of the fused tensor-core kernel
 overlap    ``off``               kernels launched one after another instead of with
                                  programmatic dependent launch (for profiling)
-backward   ``aten``, ``spectral`` training mode's backward (CPU and CUDA): the recomputed
-                                 convolution and ATen's ``convolution_backward``, or the
-                                 spectral path (stride 1, no padding; elsewhere it raises)
+backward   ``aten``, ``spectral``, training mode's backward (CPU and CUDA): the recomputed
+           ``gram``              convolution and ATen's ``convolution_backward``, or a path
+                                 without it (docs/dispatch.md; where it does not apply, the
+                                 backward raises)
 ========== ===================== =============================================================
 
 Limits (``limit(...)``), in the units named, ``0`` restoring the built-in value:
@@ -40,7 +41,7 @@ from typing import Dict, Iterator
 
 import torch
 
-from . import _spectral_backward
+from . import _backward_routes
 
 __all__ = ["route", "limit"]
 
@@ -62,7 +63,7 @@ def route(**routes: str) -> Iterator[None]:
 
 
 # Knobs of the Python layer: knob -> (module holding ROUTE, its values besides "auto").
-_PYTHON_KNOBS = {"backward": (_spectral_backward, ("aten", "spectral"))}
+_PYTHON_KNOBS = {"backward": (_backward_routes, _backward_routes.ROUTES)}
 
 
 def _set_route(knob: str, value: str) -> str:

@@ -177,21 +177,36 @@ def test_eval_backward_is_conv_free(requested, dtype):
     assert all(g.shape == i.shape for g, i in zip(grads, inputs))
 
 
-# Stride 1 without padding: the training backward's two routes (docs/dispatch.md).
-SPECTRAL_PROBLEMS = [p for p in PROBLEMS if p.triple("stride", 1) == (1, 1, 1)
-                     and p.triple("padding", 0) == (0, 0, 0)
-                     and p.triple("output_padding", 0) == (0, 0, 0)]
+# The training backward's routes without the convolution output (docs/dispatch.md), each on
+# the problems it covers: PROBLEMS' and, for "gram" (one tap per output position), its own.
+GRAM_PROBLEMS = [
+    Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(stride=2)),
+    Problem(3, 4, 6, (3, 2, 4), (2, 1, 3), scale=-0.5, conv_kwargs=dict(
+        stride=(2, 3, 3), output_padding=(1, 0, 1), groups=2)),
+    Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(stride=3, dilation=2)),
+    Problem(2, 4, 6, (3, 4, 5), (1, 1, 1)),
+]
+
+
+def route_covers(route, problem):
+    conv = {name: problem.triple(name, default) for name, default in (
+        ("stride", 1), ("padding", 0), ("output_padding", 0), ("dilation", 1))}
+    weight = torch.empty(problem.in_channels, 1, *problem.kernel)
+    return fused_ops._backward_routes._COVERS[route][1](conv, weight)
+
+
+ROUTE_CASES = [(route, p) for route in ("spectral", "gram") for p in PROBLEMS + GRAM_PROBLEMS
+               if route_covers(route, p)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", DTYPES, ids=dtype_ids)
-@pytest.mark.parametrize("route", ["aten", "spectral"])
-@pytest.mark.parametrize("problem", SPECTRAL_PROBLEMS, ids=Problem.ids)
-def test_training_backward_routes_match_float64(problem, route, dtypes, device):
-    """Each route of training mode's backward, forced, against the float64 modules, as
-    test_gradients_match_float64; float32/float64 x far from zero mean, where the spectral
-    route's centered zero frequency matters (the ATen route's conv output in float16 loses
-    such an offset's digits, as PyTorch's own does)."""
+@pytest.mark.parametrize("route,problem", ROUTE_CASES,
+                         ids=[f"{r}-{Problem.ids(p)}" for r, p in ROUTE_CASES])
+def test_training_backward_routes_match_float64(route, problem, dtypes, device):
+    """Each conv-free route of training mode's backward, forced, against the float64 modules,
+    as test_gradients_match_float64; float32/float64 x far from zero mean, where the routes'
+    centering matters."""
     conv_dtype, bn_dtype = dtypes
     ref, fused = make_dtype_models(problem, conv_dtype, bn_dtype, device)
     x = make_input(problem, conv_dtype, offset=0.0 if conv_dtype in HALF_TYPES else 3.0)
@@ -204,30 +219,34 @@ def test_training_backward_routes_match_float64(problem, route, dtypes, device):
     assert_gradients_match(got, want, GRAD_TOL[conv_dtype])
 
 
-def test_spectral_route_refuses_what_it_does_not_cover():
-    _, fused = make_models(PROBLEMS[3], torch.float64)  # stride 2
-    x = make_input(PROBLEMS[3], torch.float64).requires_grad_()
-    out = fused(x)
-    with fused_ops.testing.route(backward="spectral"), pytest.raises(
-            RuntimeError, match="stride 1, padding 0"):
+@pytest.mark.parametrize("route,problem", [("spectral", PROBLEMS[3]), ("gram", PROBLEMS[4])],
+                         ids=["spectral-stride", "gram-padding"])
+def test_forced_route_refuses_what_it_does_not_cover(route, problem):
+    _, fused = make_models(problem, torch.float64)
+    out = fused(make_input(problem, torch.float64).requires_grad_())
+    with fused_ops.testing.route(backward=route), pytest.raises(
+            RuntimeError, match=f"backward='{route}'\\): the route needs"):
         out.sum().backward()
     with pytest.raises(RuntimeError, match="backward must be one of"):
         with fused_ops.testing.route(backward="fast"):
             pass
 
 
-# A training problem whose conv output is many times x's spectrum: Co and the kernel large.
-SPECTRAL_WIDE = Problem(2, 3, 16, (6, 6, 6), (3, 3, 3))
+# Training problems whose conv output is many times x on the output's grid: Co large, and
+# a large kernel (spectral) or a large stride (gram).
+CONV_FREE_WIDE = {"spectral": Problem(2, 3, 16, (6, 6, 6), (3, 3, 3)),
+                  "gram": Problem(2, 3, 16, (6, 6, 6), (2, 2, 2), conv_kwargs=dict(stride=2))}
 
 
 @pytest.mark.parametrize("requested", [("x",), ("weight",), ("bn_weight",),
                                        ("x", "weight", "bias", "bn_weight", "bn_bias")],
                          ids="-".join)
-def test_spectral_training_backward_is_conv_free(requested, monkeypatch):
-    """docs/math.md §6.2.2: no convolution, and with one frequency plane per slab no op
-    output beyond x on the output's grid (the conv output here is several times that)."""
+@pytest.mark.parametrize("route", list(CONV_FREE_WIDE))
+def test_training_backward_is_conv_free(route, requested, monkeypatch):
+    """docs/math.md §6.2.2, §6.2.3: no convolution, and no op output beyond x on the full
+    output's grid (spectral, with one frequency plane per slab) or beyond x (gram)."""
     monkeypatch.setattr(fused_ops._spectral_backward, "SLAB_BYTES", 1)
-    p = SPECTRAL_WIDE
+    p = CONV_FREE_WIDE[route]
     _, fused = make_models(p, torch.float64)
     x = make_input(p, torch.float64).requires_grad_("x" in requested)
     params = dict(weight=fused.conv_transpose.weight, bias=fused.conv_transpose.bias,
@@ -236,10 +255,10 @@ def test_spectral_training_backward_is_conv_free(requested, monkeypatch):
         param.requires_grad_(name in requested)
     inputs = [x] * ("x" in requested) + [q for n, q in params.items() if n in requested]
     out = fused(x)
-    full = p.out_size()
-    bound = max(p.batch * p.in_channels * math.prod(full), fused.conv_transpose.weight.numel())
-    assert p.batch * p.out_channels * math.prod(full) > 4 * bound
-    with fused_ops.testing.route(backward="spectral"), _OpRecorder() as recorder:
+    grid = p.out_size() if route == "spectral" else p.size
+    bound = max(p.batch * p.in_channels * math.prod(grid), fused.conv_transpose.weight.numel())
+    assert p.batch * p.out_channels * math.prod(p.out_size()) > 4 * bound
+    with fused_ops.testing.route(backward=route), _OpRecorder() as recorder:
         grads = torch.autograd.grad(out, inputs, torch.randn_like(out))
     names = {name for name, _ in recorder.ops}
     assert not {n for n in names if "convolution" in n}, names

@@ -9,7 +9,7 @@ from torch.overrides import TorchFunctionMode
 
 import fused_ops
 import fused_ops.testing
-from conftest import (DEVICES, FAMILIES, HALF_TYPES, Reference, make_dtype_models,
+from conftest import (DEVICES, FAMILIES, HALF_TYPES, Problem, Reference, make_dtype_models,
                       make_input, make_models, op_conv_options, skip_unless_algo_covers)
 from fused_ops import distributed
 
@@ -103,22 +103,31 @@ def test_calls_with_inputs_requiring_grad(family, training, form, device):
     opcheck_calls(calls)
 
 
-# The families with stride 1 and no padding, which the backward's spectral route covers.
-SPECTRAL_FAMILIES = [name for name, p in FAMILIES.items()
-                     if p.triple("stride", 1) == (1, 1, 1) and p.triple("padding", 0) == (0, 0, 0)
-                     and p.triple("output_padding", 0) == (0, 0, 0)]
+def _covers(route, problem):
+    conv = {name: problem.triple(name, default) for name, default in (
+        ("stride", 1), ("padding", 0), ("output_padding", 0), ("dilation", 1))}
+    weight = torch.empty(problem.in_channels, 1, *problem.kernel)
+    return fused_ops._backward_routes._COVERS[route][1](conv, weight)
+
+
+# The problems each conv-free route of the training backward covers (docs/dispatch.md): the
+# families' and kernel = stride upsampling, which no family is.
+ROUTE_PROBLEMS = {**FAMILIES, "kernel_is_stride": Problem(
+    3, 4, 6, (3, 4, 5), (2, 2, 2), scale=-0.75, conv_kwargs=dict(stride=2, groups=2))}
+ROUTE_FAMILIES = [(route, name) for route in ("spectral", "gram")
+                  for name, p in ROUTE_PROBLEMS.items() if _covers(route, p)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", SPECTRAL_FAMILIES)
-def test_training_calls_with_the_spectral_backward(family, device):
-    """test_calls_with_inputs_requiring_grad's training calls with the backward's spectral
-    route forced (CUDA's dispatch takes it there, the CPU's does not)."""
-    problem = FAMILIES[family]
+@pytest.mark.parametrize("route,family", ROUTE_FAMILIES, ids="-".join)
+def test_training_calls_with_a_conv_free_backward(route, family, device):
+    """test_calls_with_inputs_requiring_grad's training calls with the backward's route
+    forced (the dispatch takes these on some devices and problems, not all)."""
+    problem = ROUTE_PROBLEMS[family]
     model = family_model(problem, "module", ("train", "auto"), device, torch.float64)
     x = make_input(problem, torch.float64, device).requires_grad_()
     calls = captured_calls(model, x)
-    with fused_ops.testing.route(backward="spectral"):
+    with fused_ops.testing.route(backward=route):
         opcheck_calls(calls)
 
 

@@ -1,0 +1,49 @@
+"""Training mode's backward without the convolution output where each output position is
+reached by at most one tap: padding 0 and ``dilation (k - 1) < stride`` in every dimension,
+kernel = stride upsampling among them (docs/math.md §6.2.3).
+
+There a tap t and an input position i name one output position, so
+``y[b, c, (i, t)] = sum_ci x[b, ci, i] W_t[ci, c]`` and the gradients of
+``K_c (y - mean_c)`` are products with x's channel Gram matrix ``R = sum_{b, i} x x^T``
+(``Cig x Cig`` per group) or with ``M = sum_t W_t diag(K) W_t^T``: no tensor of the
+convolution output's size, two GEMMs of x's size. In float64: R carries x's mean, which the
+difference with ``mean_c`` cancels.
+"""
+import torch
+from torch import Tensor
+
+
+def supported(conv: dict, weight: Tensor) -> bool:
+    kernel = weight.shape[2:]
+    return not any(conv["padding"]) and all(
+        d * (k - 1) < s for d, k, s in zip(conv["dilation"], kernel, conv["stride"]))
+
+
+def cheaper(weight: Tensor, groups: int) -> bool:
+    """Its GEMMs' ``2 Cig^2`` multiply-adds per input position against ATen's ``3 Cig Cog
+    taps`` (recomputed convolution and ``convolution_backward``)."""
+    taps = weight.shape[2] * weight.shape[3] * weight.shape[4]
+    return 2 * (weight.shape[0] // groups) < 3 * weight.shape[1] * taps
+
+
+def k_part(x: Tensor, weight: Tensor, k: Tensor, mean: Tensor, groups: int, need_x: bool,
+           need_weight: bool):
+    """The gradients of K_c (y - mean_c) (``k``, ``mean``: [C]): (x's or None, the weight's
+    or None), float64."""
+    xs = x.to(torch.float64).flatten(2).unflatten(1, (groups, -1))  # [B, G, I, P]
+    w = weight.to(torch.float64).flatten(2).unflatten(0, (groups, -1))  # [G, I, O, T]
+    k = k.to(torch.float64).view(groups, -1)
+    mean = mean.to(torch.float64).view(groups, -1)
+    x_grad, w_grad = None, None
+    if need_x:
+        m = torch.einsum("giot,go,gjot->gij", w, k, w)
+        shift = torch.einsum("giot,go->gi", w, k * mean)
+        x_grad = (torch.matmul(m, xs) - shift.unsqueeze(-1)).flatten(1, 2).view(x.shape)
+    if need_weight:
+        gram = torch.einsum("bgip,bgjp->gij", xs, xs)
+        sums = xs.sum((0, 3))  # [G, I]
+        w_grad = k.unsqueeze(1).unsqueeze(-1) * (
+            torch.einsum("gij,gjot->giot", gram, w)
+            - mean.unsqueeze(1).unsqueeze(-1) * sums.unsqueeze(-1).unsqueeze(-1))
+        w_grad = w_grad.flatten(0, 1).view(weight.shape)
+    return x_grad, w_grad
