@@ -518,7 +518,8 @@ def parse_args():
     parser.add_argument("--compile-problems",
                         help="comma-separated problems that time torch.compile (default: all)")
     parser.add_argument("--algos", default="auto", help="train-mode algos of the fused op")
-    parser.add_argument("--backward", choices=("auto", *fused_ops._backward_routes.ROUTES), default="auto",
+    parser.add_argument("--backward", default="auto",
+                        choices=("auto", *fused_ops._backward_routes.ROUTES),
                         help="training backward's route for the fused op (fused_ops.testing.route)")
     parser.add_argument("--memory-format", choices=MEMORY_FORMATS, default="contiguous",
                         help="layout of every input x, for all three implementations")

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import fused_ops
+import fused_ops.testing
 from conftest import (GRAD_TOL, HALF_TYPES, OUT_TOL, Problem, assert_gradients_match,
                       make_dtype_models, make_models, relerr)
 from fused_ops import distributed
@@ -275,6 +276,31 @@ def test_synced_backward_for_a_group_of_one_matches_float64(dtypes, monkeypatch)
     assert_gradients_match(got, want, GRAD_TOL[conv_dtype])
     assert not fused.conv_transpose.bias.grad.any()  # the batch mean removes the bias
     assert reduced == [(2, P_OPTS.out_channels)]
+
+
+# Problems of the backward's conv-free routes (docs/dispatch.md): P is stride 1 without
+# padding; kernel = stride has one tap per output position.
+ROUTE_PROBLEMS = {"spectral": P, "gram": Problem(0, 4, 6, (3, 2, 4), (2, 2, 2), scale=-1.5,
+                                                 conv_kwargs=dict(stride=2, groups=2))}
+
+
+@pytest.mark.parametrize("route", list(ROUTE_PROBLEMS))
+def test_synced_backward_on_a_conv_free_route_matches_float64(route, monkeypatch):
+    """test_synced_backward_for_a_group_of_one_matches_float64 with the route forced: the
+    group's statistics and the one all-reduce reach the conv-free formulas."""
+    p = ROUTE_PROBLEMS[route]
+    ref, fused = make_models(p, torch.float32)
+    reduced = _simulate_group_of_one(monkeypatch)
+    x = global_input(p, [3], 0, torch.float64).float().requires_grad_()
+    grad_out = torch.randn(3, p.out_channels, 1, 1, 1, dtype=torch.float64)
+    with fused_ops.testing.route(backward=route):
+        _synced_call(fused, x, p.scale).backward(grad_out.float())
+    x64 = x.detach().double().requires_grad_()
+    ref.train()(x64).backward(grad_out)
+    got = {"x": x.grad, **{n: q.grad for n, q in fused.named_parameters()}}
+    want = {"x": x64.grad, **{n: q.grad for n, q in ref.named_parameters()}}
+    assert_gradients_match(got, want, GRAD_TOL[torch.float32])
+    assert reduced == [(2, p.out_channels)]
 
 
 @pytest.mark.parametrize("requested, reductions", [
