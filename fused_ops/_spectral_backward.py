@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 
-# Bytes of the per-slab tensors (the weight's spectrum, Y, x's spectrum regrouped) aimed at.
-SLAB_BYTES = 64 << 20
+# Bytes of one slab's tensors (the weight's spectrum, Y and its products) aimed at: fewer
+# slabs issue fewer ops (each slab is about 25), larger ones hold more memory.
+SLAB_BYTES = 256 << 20
 
 
 def supported(conv: dict, weight: Tensor = None) -> bool:
@@ -81,7 +82,7 @@ class Grid:
         self.kernel = tuple(weight.shape[2:])
         # The taps first, each output-channel column after: [kD, kH, kW, G * Ci/G * Co/G].
         self.weight = weight.to(compute).unflatten(0, (self.groups, -1)).permute(
-            3, 4, 5, 0, 1, 2).flatten(3)
+            3, 4, 5, 0, 1, 2).flatten(3).to(self.complex)
         per_row = self.plane * spectrum.element_size() * (
             self.groups * self.in_group * self.out_group
             + self.batch * (self.in_group + 2 * self.out_group) * self.groups)
@@ -96,7 +97,7 @@ class Grid:
         dimension at a time, the slab's rows first (the fewest)."""
         e0, e1, e2 = self.bases
         kd, kh, kw = self.kernel
-        w = torch.matmul(e0[start:stop], self.weight.to(self.complex).flatten(1))  # [s, kh kw M]
+        w = torch.matmul(e0[start:stop], self.weight.flatten(1))  # [s, kh kw M]
         w = torch.matmul(e1, w.unflatten(1, (kh, -1)))  # [s, n1, kw M]
         w = torch.matmul(e2, w.unflatten(2, (kw, -1)))  # [s, n1, n2h, M]
         w = w.unflatten(3, (self.groups, self.in_group, self.out_group))
