@@ -3,8 +3,9 @@
 The backward is made of ATen ops only, so AOTAutograd traces it and ``torch.compile``
 compiles modules whose parameters require grad: in eval mode, contractions of x and the
 weight with the per-dimension tap masks (``_box_sums.py``; no convolution, nothing of the
-convolution output's size); in training mode, a recomputed transposed convolution,
-reductions and ``aten.convolution_backward``.
+convolution output's size); in training mode, by the route ``_backward_routes.py`` picks, a
+recomputed transposed convolution, reductions and ``aten.convolution_backward``, or a route
+without the convolution output (``_gram_backward.py``, ``_spectral_backward.py``).
 
 Why not ``torch.library.register_autograd``: it refuses operators whose schema mutates an
 input ("Cannot register autograd formula for non-functional operator"), and ct_bn_pool
