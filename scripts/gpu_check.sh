@@ -5,7 +5,8 @@
 # scripts/sanitize_cases.py and the benchmark. Logs go to $OUT (default /tmp/gpu_check).
 #   scripts/gpu_check.sh [build] [test] [sanitize] [profile] [ncu] [ncu-cross] [bench] [bench-full]
 #                        [bench-strided] [bench-train] [bench-small] [bench-padded] [bench-eval]
-#                        [bench-real] [host] [memory-format] [wall] [dist] [bench-compare]
+#                        [bench-real] [bench-backward] [host] [memory-format] [wall] [dist]
+#                        [bench-compare]
 # (default: build test sanitize bench); TESTS="test_a.py test_b.py" limits the test step;
 # PYTEST_WORKERS=N runs it as one pytest-xdist run of N processes (the suite in minutes);
 # PYTEST_K="expr" passes -k expr to pytest (default "not cpu": the CPU-parametrized cases are
@@ -125,6 +126,17 @@ if want bench-real; then
   # eager-loop time, peak memory and accuracy of both modes against eager in one run.
   python3 "$REPO/bench/check_problems.py" >"$OUT/check-problems.log" 2>&1 || { status=1; tail -5 "$OUT/check-problems.log"; }
   run_bench bench-real 70 --sweep real --dtypes float32,bfloat16 --modes eval,train --no-compile --out "$OUT/real"
+fi
+if want bench-backward; then
+  step bench-backward
+  # Training steps (forward + backward) on each backward route where it applies, eager in the
+  # same run: the measurement CUDA's backward dispatch awaits (docs/dispatch.md).
+  for route in aten spectral gram; do
+    problems=seed,k3,t8k5; [[ $route == gram ]] && problems=up2,k2s2-c128-s16-b8,deep-c512-s8-b8
+    [[ $route == aten ]] && problems=seed,k3,t8k5,up2,k2s2-c128-s16-b8,deep-c512-s8-b8
+    run_bench "bench-backward-$route" 12 --problems "$problems" --modes train --passes step \
+      --no-compile --reps 20 --backward "$route" --out "$OUT/backward"
+  done
 fi
 if want host; then
   step host
