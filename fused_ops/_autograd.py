@@ -290,12 +290,14 @@ def _conv_free_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g
         grid = _spectral_backward.Grid(x, weight, c, compute)
         k_x, k_weight = _spectral_backward.k_part(grid, k, sums - n * mean, x.shape[2:],
                                                   needs["x"], needs["weight"])
-    masks = _box_sums.tap_masks(x, weight, size, c, compute)
+    # Both routes have padding 0: every tap reaches every position of x (§2.1), so the field's
+    # contractions take x's and the weight's sums, and its x gradient is constant per (b, ci).
     if needs["x"]:
-        taps = _input_gradient_taps(field, weight.to(compute), groups)
-        grads["x"] = _box_sums.spread(taps, masks, compute) + k_x
+        w_sums = weight.to(compute).sum((2, 3, 4), keepdim=True)
+        grads["x"] = _input_gradient_taps(field, w_sums, groups) + k_x
     if needs["weight"]:
-        tap_sums = _box_sums.box_sums(x, masks, compute)
+        x_sums = x.sum((2, 3, 4), dtype=compute)[..., None, None, None]
+        tap_sums = x_sums.expand(-1, -1, *weight.shape[2:])
         grads["weight"] = _weight_gradient_sums(field, tap_sums, weight, groups) + k_weight
     return grads
 

@@ -3,8 +3,8 @@
 
 The gradient wrt the convolution output y is affine in y per channel,
 ``dL/dy[b, c, o] = A[b, c] + K_c (y[b, c, o] - mean_c)``. The A part is a field constant over
-a sample's positions: x's and the weight's gradients of it are eval's tap contractions
-(``_box_sums.py``). The K part needs y, but only through linear maps of it: on a frequency
+a sample's positions: with padding 0 its gradients are products of x's and the weight's sums
+(``_autograd.py``). The K part needs y, but only through linear maps of it: on a frequency
 grid as large as the full output (where the transposed convolution is a product and nothing
 wraps), ``Y = W X`` per frequency, the x gradient is ``conj(W) K Y`` and the weight gradient
 is x's cross-spectrum with ``K Y`` read back at the kernel's taps. y is never formed in
