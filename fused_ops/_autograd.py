@@ -277,7 +277,11 @@ def _conv_free_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g
     if not (needs["x"] or needs["weight"]):
         return grads
     means = _batch_means(torch.stack([g_sum, grads["bn_weight"]]), x.shape[0], n, stats,
-                         all_reduce)
+                         all_reduce)  # every process of a group takes part, samples or not
+    if x.shape[0] == 0:  # no sample here: nothing flows back to x or the weight
+        grads.update({name: torch.zeros_like(t) for name, t in (("x", x), ("weight", weight))
+                      if needs[name]})
+        return grads
     z_unit = z_unit.to(compute)
     gain = z_unit if bn_weight is None else bn_weight.to(compute) * z_unit
     coef = gain / n

@@ -6,6 +6,7 @@ backward that runs no convolution and makes no tensor of the convolution output'
 the running statistics' version counters."""
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -233,6 +234,20 @@ def test_training_backward_routes_match_float64(route, problem, dtypes, device, 
         _, got = run_backward(fused, x.to(device), grad_out.to(device))
     assert set(got) == set(want)
     assert_gradients_match(got, want, GRAD_TOL[conv_dtype])
+
+
+@pytest.mark.parametrize("route", ["aten", "spectral", "gram"])
+def test_empty_batch_training_backward_is_zero(route):
+    """A batch of no sample: every route's gradients are zeros of the inputs' shapes."""
+    _, fused = make_models(GRAM_PROBLEMS[0] if route == "gram" else PROBLEMS[0], torch.float64)
+    x = torch.randn(0, fused.conv_transpose.in_channels, 3, 4, 5, dtype=torch.float64,
+                    requires_grad=True)
+    with fused_ops.testing.route(backward=route), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # var_mean over no value (the aten route)
+        fused(x).sum().backward()
+    assert x.grad.shape == x.shape
+    for name, param in fused.named_parameters():
+        assert param.grad is not None and not param.grad.any(), name
 
 
 @pytest.mark.parametrize("route,problem", [("spectral", PROBLEMS[3]), ("gram", PROBLEMS[4])],
