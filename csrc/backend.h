@@ -97,9 +97,9 @@ struct Backend {
   // (real: lag_spectrum_phases) and out [A, M, C] complex128 (or, without `accumulate`,
   // complex64 where q is: the sums are float64, rounded once as stored), all contiguous.
   void (*lag_stage)(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out, bool accumulate) = nullptr;
-  // Runs a cached table's build apart from the caller's stream, complete on return; false,
-  // without running it, while `device`'s current stream is being captured
-  // (common/table_cache.h).
+  // Runs a cached table's build apart from the caller's stream and thread (so that no CUDA
+  // graph's memory pool takes it), complete on return; false, without running it, while
+  // `device`'s current stream is being captured (common/table_cache.h).
   BuildApart build_tables_apart = nullptr;
   // R^ on the grid M from the D stage's output z_hat [Md, Mw, Lh', G, Cig, Cig]
   // complex128 (Lh' = k'_h: the lags m_h >= 0) and the phases [Mh, Lh'] complex128 of its

@@ -255,6 +255,11 @@ def _batch_means(sums: Tensor, batch: int, positions, stats, all_reduce) -> Tens
     return sums * (positions / stats[0]).to(sums.dtype)
 
 
+def _z_unit(ctx, var: Tensor) -> Tensor:
+    """scale / sqrt(var_z + eps) for y's variance `var`: dzhat / dy."""
+    return ctx.scale * torch.rsqrt(var * ctx.scale ** 2 + ctx.eps)
+
+
 def _conv_free_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g_sum,
                             stats=None, all_reduce=None):
     """§6.2.2, §6.2.3: the gradients of :func:`_normalized_output_grads` without the
@@ -270,7 +275,7 @@ def _conv_free_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g
     var = m2 / count
     size = out_size(x, weight, c["stride"], c["padding"], c["output_padding"], c["dilation"])
     n = math.prod(size)
-    z_unit = ctx.scale * torch.rsqrt(var * ctx.scale ** 2 + ctx.eps)  # float64 [C]
+    z_unit = _z_unit(ctx, var)  # float64 [C]
     zbar = (z_unit * (sums / n - mean)).to(compute)  # [B, C]
     g = grad_out.flatten(1).to(compute)
     grads = {"bn_weight": (g * zbar).sum(0)}
@@ -321,7 +326,7 @@ def _normalized_conv_output(ctx, x, weight, stats=None):
         count, mean, m2 = stats.unbind(0)
         var = m2 / count
     var, mean = (v.to(compute).view(1, -1, 1, 1, 1) for v in (var, mean))
-    z_unit = ctx.scale * torch.rsqrt(var * ctx.scale ** 2 + ctx.eps)
+    z_unit = _z_unit(ctx, var)
     # One more [B, C, Do, Ho, Wo], in y's dtype.
     return torch.addcmul((-mean * z_unit).to(y.dtype), y, z_unit.to(y.dtype)), z_unit
 

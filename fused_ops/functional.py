@@ -91,11 +91,11 @@ def ct_bn_pool(
             per channel, ...). Nothing is modified by a rejected call.
 
     Autograd: gradients flow to ``x``, ``weight``, ``bias``, ``bn_weight`` and ``bn_bias``
-    (closed form, ``docs/math.md`` §6; traced by ``torch.compile``). The backward of
-    training mode recomputes the convolution output with ATen, so it costs about what
-    PyTorch's own backward of the unfused modules costs; eval mode's needs one
-    ``convolution_backward`` and does not recompute the convolution. ``running_mean``/``running_var`` are not
-    differentiable (one that requires grad is refused). With ``process_group`` over several
+    (closed form, ``docs/math.md`` §6; traced by ``torch.compile``). Eval mode's backward
+    runs no convolution; training mode's takes the route of ``docs/dispatch.md`` (a
+    recomputed convolution output and ATen's ``convolution_backward``, or a route without
+    the convolution output). ``running_mean``/``running_var`` are not differentiable (one
+    that requires grad is refused). With ``process_group`` over several
     processes in training mode the backward is ``nn.SyncBatchNorm``'s (``docs/math.md``
     §6.2.1): a collective too (one all-reduce of ``[2, C_out]`` when x's or ``weight``'s
     gradient is needed), which every process of the group must run; the parameters'

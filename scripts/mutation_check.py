@@ -126,7 +126,7 @@ MUTANTS = [
            "shift = -mean", "eval's gamma gradient without the conv bias",
            ("tests/test_gradients.py",)),
     Mutant("backward_scale_sign", "fused_ops/_autograd.py",
-           "z_unit = ctx.scale * torch.rsqrt(", "z_unit = abs(ctx.scale) * torch.rsqrt(",
+           "return ctx.scale * torch.rsqrt(", "return abs(ctx.scale) * torch.rsqrt(",
            "training's backward drops the scale's sign", ("tests/test_gradients.py",)),
     Mutant("backward_eval_scale_sign", "fused_ops/_autograd.py",
            "coef = gain * (ctx.scale / positions)", "coef = gain * (abs(ctx.scale) / positions)",

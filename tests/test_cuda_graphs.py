@@ -229,8 +229,8 @@ def test_capture_training_step(training):
                         else torch.equal(got.cpu(), value)), key
 
 
-@pytest.mark.xfail(strict=False, reason="failed on an H100 (torch 2.11), the one run that had "
-                   "no time left for its traceback; under graph trees the route passes")
+@pytest.mark.xfail(strict=False, reason="undiagnosed failure of the spectral backward under "
+                   "torch.cuda.graph capture (graph trees pass); CUDA's dispatch avoids it")
 def test_capture_training_step_with_the_spectral_backward():
     """test_capture_training_step's training step with the backward's spectral route forced
     (docs/dispatch.md: CUDA's dispatch does not take it)."""
