@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
 
 #include "fused_ops_build_info.h"  // written by setup.py
 #include "testing_hooks.h"
@@ -75,24 +76,33 @@ TORCH_LIBRARY(fused_ops, m) {
 
 namespace {
 
-// ct_bn_pool's ADInplaceOrView kernel: bumps the running stats' version
-// counters when the call wrote them (training mode; not eval, which only reads
-// them, nor a rejected call). In C++ because it runs on every call, also under
-// no_grad: a Python kernel here would be a large share of a small eval call's host time.
-void ct_bn_pool_bump_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
-                              torch::jit::Stack* stack) {
-  // Positions in the schema above; read before the call replaces the arguments.
-  const auto args = stack->end() - op.schema().arguments().size();
-  const bool training = args[8].toBool();
-  const auto running_mean = args[6].toOptional<at::Tensor>();
-  const auto running_var = args[7].toOptional<at::Tensor>();
+// The ADInplaceOrView kernel of the ops that write the running stats (schema `Tensor(a!)?`):
+// after the call, bumps the version counters of the arguments it wrote, as every in-place op
+// does, so that autograd detects a saved tensor changed under it. ct_bn_pool writes them in
+// training mode only (eval reads them); ct_bn_pool_apply always. A rejected call bumps
+// nothing. In C++ because it runs on every call, also under no_grad: a Python kernel here
+// would be a large share of a small eval call's host time. (PyTorch's
+// autogradNotImplementedInplaceOrViewFallback leaves ct_bn_pool_apply's optional written
+// arguments as they were.)
+template <bool kTrainingOnly>
+void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                           torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  // Read before the call replaces the arguments.
+  const auto args = stack->end() - arguments.size();
+  // ct_bn_pool's `training`: its argument after the running stats (ops.cpp's schema).
+  const bool writes = !kTrainingOnly || args[8].toBool();
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; writes && i < arguments.size(); ++i) {
+    const auto* alias = arguments[i].alias_info();
+    if (alias != nullptr && alias->isWrite() && args[i].isTensor()) written.push_back(args[i].toTensor());
+  }
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
-  if (!training) return;
-  for (const auto& stat : {running_mean, running_var}) {
-    if (stat.has_value() && stat->defined()) torch::autograd::impl::bump_version(*stat);
+  for (const auto& t : written) {
+    if (t.defined()) torch::autograd::impl::bump_version(t);
   }
 }
 
@@ -122,6 +132,20 @@ void ct_bn_pool_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
 }
 
+// ct_bn_pool_apply's Autograd kernel. It has no backward (fused_ops/distributed.py
+// differentiates the synchronized step as a whole) and writes the running stats: refused at
+// once, before anything is written, where a gradient could flow; otherwise below autograd
+// with ADInplaceOrView kept, whose kernel bumps the running stats' versions (PyTorch's
+// not-implemented fallback redispatches past it).
+void apply_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  TORCH_CHECK(!gradient_can_flow(stack, op.schema().arguments().size()), op.schema().name(),
+              " is not implemented for inputs that require grad: the synchronized step's halves "
+              "have no backward (fused_ops.distributed differentiates the whole step); call it "
+              "under torch.no_grad()");
+  at::AutoDispatchBelowAutograd guard;
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
 // _ct_bn_pool_differentiable below autograd (its formula's forward calls ct_bn_pool itself;
 // this serves any other path there, fake tensors included): ct_bn_pool of the same overload.
 void differentiable_below_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
@@ -135,15 +159,17 @@ void differentiable_below_autograd(const c10::OperatorHandle& op, torch::jit::St
 
 // ct_bn_pool's autograd formula is registered in Python (fused_ops/_autograd.py) on
 // _ct_bn_pool_differentiable, which ct_bn_pool's Autograd kernel calls when a gradient can flow.
-// The two halves of the synchronized training step have no backward: one
-// through them raises, naming the op, instead of returning wrong gradients, and
-// their in-place writes to the running stats bump the versions.
+// The two halves of the synchronized training step have no backward: one through
+// ct_bn_pool_stats raises, naming the op, instead of returning wrong gradients;
+// ct_bn_pool_apply, which writes the running stats, refuses inputs requiring grad at the
+// call, and its writes bump the versions.
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
   for (const char* op : {"ct_bn_pool", "ct_bn_pool.no_stats"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&ct_bn_pool_autograd>());
   }
-  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply", "ct_bn_pool_apply.no_stats"}) {
-    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  m.impl("ct_bn_pool_stats", torch::autograd::autogradNotImplementedFallback());
+  for (const char* op : {"ct_bn_pool_apply", "ct_bn_pool_apply.no_stats"}) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&apply_autograd>());
   }
 }
 TORCH_LIBRARY_IMPL(fused_ops, CompositeExplicitAutograd, m) {
@@ -156,9 +182,10 @@ TORCH_LIBRARY_IMPL(fused_ops, ADInplaceOrView, m) {
   // Python formula redispatches ct_bn_pool with (the dispatcher leaves out a key whose kernel
   // falls through), so that ct_bn_pool's bump runs on that path too.
   for (const char* op : {"ct_bn_pool", "_ct_bn_pool_differentiable"}) {
-    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&ct_bn_pool_bump_versions>());
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_written_versions<true>>());
   }
-  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply", "ct_bn_pool_apply.no_stats"}) {
+  m.impl("ct_bn_pool_apply", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions<false>>());
+  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply.no_stats"}) {
     m.impl(op, torch::autograd::autogradNotImplementedInplaceOrViewFallback());
   }
 }

@@ -5,7 +5,8 @@ compiles modules whose parameters require grad: in eval mode, contractions of x 
 weight with the per-dimension tap masks (``_box_sums.py``; no convolution, nothing of the
 convolution output's size); in training mode, by the route ``_backward_routes.py`` picks, a
 recomputed transposed convolution, reductions and ``aten.convolution_backward``, or a route
-without the convolution output (``_gram_backward.py``, ``_spectral_backward.py``).
+without the convolution output (``_gram_backward.py``, ``_spectral_backward.py``), or the
+convolution output that the forward kept (``_kept_output.py``).
 
 Why not ``torch.library.register_autograd``: it refuses operators whose schema mutates an
 input ("Cannot register autograd formula for non-functional operator"), and ct_bn_pool
@@ -39,8 +40,8 @@ computed in float32 for float16/bfloat16 inputs (in the inputs' dtype otherwise)
 gradient is returned in its input's dtype (BatchNorm's may be float32 for a float16 x).
 
 ``ct_bn_pool_stats`` and ``ct_bn_pool_apply`` (the halves of the synchronized training step)
-keep the C++ not-implemented fallback (``csrc/ops.cpp``): a backward through them alone
-raises. The synchronized step as a whole is differentiated by ``distributed.py``'s
+have no backward (``csrc/ops.cpp``): a backward through the first raises, the second refuses
+inputs requiring grad. The synchronized step as a whole is differentiated by ``distributed.py``'s
 ``autograd.Function``, with the training helpers below given the group's statistics and a
 sum over the group (docs/math.md §6.2.1).
 """
@@ -49,7 +50,7 @@ import math
 import torch
 from torch import Tensor
 
-from . import _backward_routes, _box_sums, _gram_backward, _spectral_backward
+from . import _backward_routes, _box_sums, _gram_backward, _kept_output, _spectral_backward
 from .distributed import out_size
 
 _LIB = torch.library.Library("fused_ops", "IMPL")  # kept alive: registrations live as long as it
@@ -105,31 +106,35 @@ class _CtBnPoolBackward(torch.autograd.Function):
             eval_stats = tuple(None if stat is None else stat.clone()  # None: the op refuses
                                for stat in (call["running_mean"], call["running_var"]))
             args = (*args[:_RUNNING_MEAN], *eval_stats, *args[_RUNNING_VAR + 1:])
-        out = _redispatch_below_autograd(overload, keyset, args, kwargs)
-        # Training normalizes with batch statistics: the backward recomputes them from the
-        # inputs (the running statistics have been overwritten by then).
-        ctx.save_for_backward(call["x"], call["weight"], call["bias"], call["bn_weight"],
-                              *eval_stats)
-        ctx.training, ctx.scale, ctx.eps = training, call["scale"], call["eps"]
         ctx.conv = {k: call[k] for k in ("stride", "padding", "output_padding", "dilation",
                                          "groups")}
+        if (training and _kept_output.can_keep(call)
+                and _backward_routes.keeps(ctx.conv, call["weight"])):
+            out, kept = _kept_output.forward(call)
+        else:
+            # Training normalizes with batch statistics: the backward recomputes them from the
+            # inputs (the running statistics have been overwritten by then).
+            out, kept = _redispatch_below_autograd(overload, keyset, args, kwargs), ()
+        ctx.save_for_backward(call["x"], call["weight"], call["bias"], call["bn_weight"],
+                              *eval_stats, *kept)
+        ctx.training, ctx.scale, ctx.eps = training, call["scale"], call["eps"]
         ctx.names = arguments.__code__.co_varnames[:len(args)]  # of args, in order
         ctx.dtypes = {n: call[n].dtype for n in _DIFFERENTIABLE if call[n] is not None}
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, bias, bn_weight, *eval_stats = ctx.saved_tensors
+        x, weight, bias, bn_weight, *rest = ctx.saved_tensors  # rest: eval's stats, or kept
         # needs_input_grad follows forward's inputs: keyset, overload, kwargs, then the op's
         # arguments.
         names = ctx.names
         needs = {n: ctx.needs_input_grad[3 + names.index(n)] for n in _DIFFERENTIABLE}
         saved = dict(x=x, weight=weight, bias=bias, bn_weight=bn_weight)
         if ctx.training:
-            grads = _training_grads(ctx, grad_out, needs, **saved)
+            grads = _training_grads(ctx, grad_out, needs, **saved, kept=tuple(rest))
         else:
-            grads = _eval_grads(ctx, grad_out, needs, running_mean=eval_stats[0],
-                                running_var=eval_stats[1], **saved)
+            grads = _eval_grads(ctx, grad_out, needs, running_mean=rest[0],
+                                running_var=rest[1], **saved)
         grads = _in_input_dtypes(grads, needs, ctx.dtypes)
         return (None, None, None, *(grads.get(n) for n in names))
 
@@ -221,8 +226,10 @@ def _eval_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, running_mean, 
 
 
 def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None,
-                    all_reduce=None):
-    """docs/math.md §6.2: batch statistics, so the convolution output is recomputed.
+                    all_reduce=None, kept=()):
+    """docs/math.md §6.2: batch statistics, so the convolution output is needed: recomputed,
+    kept by the forward (``kept``: y, its per-sample sums and statistics, §6.2.4) or not
+    formed (§6.2.2, §6.2.3).
 
     The batch is x's own (``stats`` and ``all_reduce`` None) or, synchronized (§6.2.1), that
     of a process group: ``stats`` the float64 ``[3, C]`` (count, mean, M2) of the
@@ -235,13 +242,18 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
     if bias is not None:
         grads["bias"] = torch.zeros_like(bias)  # the batch mean removes it
     if needs["x"] or needs["weight"] or needs["bn_weight"]:
-        route = _backward_routes.chosen(ctx.conv, weight)
+        # A double backward (create_graph) differentiates this backward: what the forward kept
+        # is a constant to autograd, so y and its statistics are recomputed from x and the
+        # weight.
+        if torch.is_grad_enabled():
+            kept = ()
+        route = _backward_routes.chosen(ctx.conv, weight, can_keep=bool(kept))
         if route == "aten":
             grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight,
                                                   g_sum, stats, all_reduce))
         else:
-            grads.update(_conv_free_output_grads(route, ctx, grad_out, needs, x, weight,
-                                                 bn_weight, g_sum, stats, all_reduce))
+            grads.update(_affine_output_grads(route, ctx, grad_out, needs, x, weight,
+                                              bn_weight, g_sum, stats, all_reduce, kept))
     return grads
 
 
@@ -260,17 +272,21 @@ def _z_unit(ctx, var: Tensor) -> Tensor:
     return ctx.scale * torch.rsqrt(var * ctx.scale ** 2 + ctx.eps)
 
 
-def _conv_free_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g_sum,
-                            stats=None, all_reduce=None):
-    """§6.2.2, §6.2.3: the gradients of :func:`_normalized_output_grads` without the
-    convolution output, dL/dy = A + K (y - mean) split into its constant field and its K part,
-    the latter by ``route`` ("spectral" or "gram")."""
+def _affine_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g_sum,
+                         stats=None, all_reduce=None, kept=()):
+    """§6.2.2–§6.2.4: the gradients of :func:`_normalized_output_grads` from
+    dL/dy = A + K (y - mean), a constant field and a K part: without the convolution output
+    (``route`` "spectral" or "gram"), or ("kept") by ``convolution_backward`` of the field
+    formed from the y that the forward kept (``kept``: y, its sums, its statistics)."""
     compute, c = _compute_dtype(x.dtype), ctx.conv
     groups = c["groups"]
     # The forward's sums and statistics of y (without bias), float64: [B, C] and [3, C].
-    sums, own = torch.ops.fused_ops.ct_bn_pool_stats(
-        x, weight, stride=c["stride"], padding=c["padding"], output_padding=c["output_padding"],
-        dilation=c["dilation"], groups=groups)
+    if kept:
+        y, sums, own = kept
+    else:
+        sums, own = torch.ops.fused_ops.ct_bn_pool_stats(
+            x, weight, stride=c["stride"], padding=c["padding"],
+            output_padding=c["output_padding"], dilation=c["dilation"], groups=groups)
     count, mean, m2 = (own if stats is None else stats).unbind(0)
     var = m2 / count
     size = out_size(x, weight, c["stride"], c["padding"], c["output_padding"], c["dilation"])
@@ -292,6 +308,11 @@ def _conv_free_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g
     coef = gain / n
     field = coef * (g - means[0])  # A[b, c]
     k = -coef * means[1] * z_unit  # K_c
+    if route == "kept":
+        grad_y = _kept_output.output_gradient(y, field, k, mean)
+        grads["x"], grads["weight"] = _convolution_backward(ctx, grad_y, x, weight, needs["x"],
+                                                            needs["weight"])
+        return grads
     if route == "gram":
         k_x, k_weight = _gram_backward.k_part(x, weight, k, mean, groups, needs["x"],
                                               needs["weight"])

@@ -39,12 +39,17 @@ def _number_str(value):
     return f"{value:g}"
 
 
+# A condition that is a plain True (concrete sizes) returns at once: the kept route
+# (_kept_output.py) runs these checks on every eager call; torch._check's machinery is for
+# symbolic ones.
 def _runtime(cond, message):
-    torch._check(cond, lambda: "ct_bn_pool: " + message())
+    if cond is not True:
+        torch._check(cond, lambda: "ct_bn_pool: " + message())
 
 
 def _value(cond, message):
-    torch._check_value(cond, lambda: "ct_bn_pool: " + message())
+    if cond is not True:
+        torch._check_value(cond, lambda: "ct_bn_pool: " + message())
 
 
 def _check_same_device(t, name, like, like_name):

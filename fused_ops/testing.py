@@ -19,10 +19,11 @@ contraction ``gemm``             the cross-spectrum contraction by cuBLAS and a 
                                  kernel instead of the fused tensor-core kernel
 overlap    ``off``               kernels launched one after another instead of with
                                  programmatic dependent launch (for profiling)
-backward   ``aten``, ``spectral``, training mode's backward (CPU and CUDA): the recomputed
-           ``gram``              convolution and ATen's ``convolution_backward``, or a path
-                                 without it (docs/dispatch.md; where it does not apply, the
-                                 backward raises)
+backward   ``aten``, ``kept``,   training mode's backward (CPU and CUDA): the recomputed
+           ``spectral``,         convolution and ATen's ``convolution_backward``, the
+           ``gram``              forward's output kept for it, or a path without it
+                                 (docs/dispatch.md; where it does not apply, the backward
+                                 raises)
 ========== ===================== =============================================================
 
 Limits (``limit(...)``), in the units named, ``0`` restoring the built-in value:

@@ -190,8 +190,9 @@ def _assert_conv_free_backward(out, inputs, bound):
     assert all(g.shape == i.shape for g, i in zip(grads, inputs))
 
 
-# The training backward's routes without the convolution output (docs/dispatch.md), each on
-# the problems it covers: PROBLEMS' and, for "gram" (one tap per output position), its own.
+# The training backward's routes (docs/dispatch.md), each on the problems it covers:
+# PROBLEMS' and, for "gram" (one tap per output position), its own. "aten" and "kept" cover
+# every geometry.
 GRAM_PROBLEMS = [
     Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(stride=2)),
     Problem(3, 4, 6, (3, 2, 4), (2, 1, 3), scale=-0.5, conv_kwargs=dict(
@@ -205,11 +206,12 @@ def route_covers(route, problem):
     conv = {name: problem.triple(name, default) for name, default in (
         ("stride", 1), ("padding", 0), ("output_padding", 0), ("dilation", 1))}
     weight = torch.empty(problem.in_channels, 1, *problem.kernel)
-    return fused_ops._backward_routes._COVERS[route][1](conv, weight)
+    covers = fused_ops._backward_routes._COVERS
+    return route not in covers or covers[route][1](conv, weight)
 
 
 # "spectral-by-row": one frequency row per slab, the slab loop and the first slab's centring.
-ROUTE_CASES = [(route, p) for route in ("spectral", "spectral-by-row", "gram")
+ROUTE_CASES = [(route, p) for route in ("aten", "kept", "spectral", "spectral-by-row", "gram")
                for p in PROBLEMS + GRAM_PROBLEMS if route_covers(route.split("-")[0], p)]
 
 
@@ -218,9 +220,10 @@ ROUTE_CASES = [(route, p) for route in ("spectral", "spectral-by-row", "gram")
 @pytest.mark.parametrize("route,problem", ROUTE_CASES,
                          ids=[f"{r}-{Problem.ids(p)}" for r, p in ROUTE_CASES])
 def test_training_backward_routes_match_float64(route, problem, dtypes, device, monkeypatch):
-    """Each conv-free route of training mode's backward, forced, against the float64 modules,
-    as test_gradients_match_float64; float32/float64 x far from zero mean, where the routes'
-    centering matters."""
+    """Each route of training mode's backward, forced, against the float64 modules, as
+    test_gradients_match_float64 (its forward too, which "kept" computes through the
+    convolution output); float32/float64 x far from zero mean, where the routes' centering
+    matters."""
     if route == "spectral-by-row":
         route = "spectral"
         monkeypatch.setattr(fused_ops._spectral_backward, "SLAB_BYTES", 1)
@@ -248,6 +251,51 @@ def test_empty_batch_training_backward_is_zero(route):
     assert x.grad.shape == x.shape
     for name, param in fused.named_parameters():
         assert param.grad is not None and not param.grad.any(), name
+
+
+def _ops_run(fn) -> list:
+    """The names of the ATen and fused_ops ops that `fn` runs (not those inside our kernels)."""
+    with _OpRecorder() as recorder:
+        fn()
+    return [name for name, _ in recorder.ops]
+
+
+@pytest.mark.parametrize("problem", [PROBLEMS[0], PROBLEMS[7]], ids=Problem.ids)
+def test_cpu_training_step_forms_the_convolution_once(problem):
+    """docs/dispatch.md: a training step on the CPU ("kept") runs one convolution, in the
+    forward instead of the op's statistics, and one convolution_backward; forcing "aten"
+    runs the op (its statistics cost a convolution there) and the backward's convolution."""
+    _, fused = make_models(problem, torch.float32)
+    x = make_input(problem, torch.float32).requires_grad_()
+
+    def step():
+        fused(x).sum().backward()
+
+    def count(names, what):
+        return sum(name == what for name in names)
+
+    for route, op in (("auto", "ct_bn_pool_apply"), ("aten", "ct_bn_pool")):
+        with fused_ops.testing.route(backward=route):
+            names = _ops_run(step)
+        convolutions = [n for n in names if n in ("convolution", "_convolution")]
+        assert (len(convolutions), count(names, "convolution_backward")) == (1, 1), (route, names)
+        assert count(names, op) == 1 and not {"ct_bn_pool", "ct_bn_pool_apply"} - {op} & set(names)
+
+
+@pytest.mark.parametrize("case", ["algo", "empty-batch"])
+def test_forced_kept_refuses_where_the_forward_cannot_keep(case):
+    """"kept" needs a forward that forms the output itself: not a forced algorithm (it
+    computes the statistics its own way), not an empty batch (the op's own semantics)."""
+    p = PROBLEMS[0]
+    _, fused = make_models(p, torch.float64, algo="sliced_conv" if case == "algo" else "auto")
+    x = make_input(p, torch.float64)
+    if case == "empty-batch":
+        x = x[:0]
+    with fused_ops.testing.route(backward="kept"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # var_mean over no value (the empty batch)
+        out = fused(x.requires_grad_())
+        with pytest.raises(RuntimeError, match="backward='kept'\\): the route needs the forward"):
+            out.sum().backward()
 
 
 @pytest.mark.parametrize("route,problem", [("spectral", PROBLEMS[3]), ("gram", PROBLEMS[4])],
@@ -372,19 +420,37 @@ def test_running_stats_requiring_grad_are_rejected(name):
 @pytest.mark.parametrize("op", ["stats", "apply"])
 def test_backward_through_the_synchronized_halves_raises_naming_the_op(op):
     """ct_bn_pool_stats and ct_bn_pool_apply (the synchronized training step's halves,
-    fused_ops/distributed.py) have no backward: a backward through them raises instead of
-    returning wrong gradients (README, docs/distributed.md)."""
+    fused_ops/distributed.py) have no backward: a backward through ct_bn_pool_stats raises
+    instead of returning wrong gradients, and ct_bn_pool_apply refuses inputs requiring grad
+    at the call, before it writes the running statistics (docs/distributed.md)."""
     _, fused = make_models(P, torch.float64)
     c, bn = fused.conv_transpose, fused.batch_norm
     x = make_input(P, torch.float64).requires_grad_(op == "stats")
     sample_sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(x, c.weight.detach())
-    out = sample_sums
-    if op == "apply":
-        spatial = 1
-        for size in P.out_size():
-            spatial *= size
-        out = torch.ops.fused_ops.ct_bn_pool_apply(
+    message = f"fused_ops::ct_bn_pool_{op} is not implemented"
+    if op == "stats":
+        with pytest.raises(RuntimeError, match=message):
+            sample_sums.sum().backward()
+        return
+    spatial = math.prod(P.out_size())
+    before = [bn.running_mean.clone(), bn.running_var.clone()]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.fused_ops.ct_bn_pool_apply(
             sample_sums, stats, spatial, None, 2.0, bn.weight, None, bn.running_mean,
             bn.running_var, 0.1, 1e-5, torch.float64)  # bn.weight requires grad
-    with pytest.raises(RuntimeError, match=f"fused_ops::ct_bn_pool_{op} is not implemented"):
-        out.sum().backward()
+    assert torch.equal(bn.running_mean, before[0]) and torch.equal(bn.running_var, before[1])
+
+
+def test_apply_bumps_the_running_stats_versions():
+    """ct_bn_pool_apply writes the running statistics in place: their versions move, so
+    autograd refuses a graph that saved them before."""
+    _, fused = make_models(P, torch.float64)
+    bn = fused.batch_norm
+    sample_sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(
+        make_input(P, torch.float64), fused.conv_transpose.weight.detach())
+    before = [bn.running_mean._version, bn.running_var._version]
+    with torch.no_grad():
+        torch.ops.fused_ops.ct_bn_pool_apply(
+            sample_sums, stats, math.prod(P.out_size()), None, 2.0, bn.weight, None,
+            bn.running_mean, bn.running_var, 0.1, 1e-5, torch.float64)
+    assert bn.running_mean._version > before[0] and bn.running_var._version > before[1]

@@ -1,0 +1,82 @@
+"""Training mode's "kept" route (docs/dispatch.md, docs/math.md §6.2.4): when a gradient will
+flow, the forward forms the convolution output y once with ATen's convolution, takes the
+batch statistics from it, and keeps it for the backward.
+
+Where the backward's only route is ``convolution_backward`` of a field affine in y, it needs
+y; the op's own forward never forms it, so the ``aten`` route computes it again. On the CPU
+the op's statistics cost a convolution themselves (``sliced_conv``) or about as much
+(``correlation``), so a step there ran two convolutions and a ``convolution_backward``
+against the unfused modules' one and one. Keeping y costs what the unfused modules keep (the
+BatchNorm's input), and the backward's field is one pass over it.
+
+ATen ops and ``ct_bn_pool_apply`` only (AOTAutograd traces them); y in x's dtype, as the
+unfused modules' convolution gives it, its statistics accumulated as the op's (float64).
+"""
+import torch
+from torch import Tensor
+
+from . import _fake
+
+
+def can_keep(call: dict) -> bool:
+    """Only ``algo="auto"`` (a forced algorithm computes the statistics its way) and a
+    non-empty batch (the op's own empty-batch semantics)."""
+    return call["algo"] == "auto" and call["x"].shape[0] > 0
+
+
+def _check(call: dict) -> None:
+    """The op's checks (its fake kernel's statement of csrc/validate.cpp), before anything
+    runs: bad input fails with the op's messages, and nothing is written."""
+    _fake._validate_inputs(
+        call["x"], call["weight"], call["bias"], call["bn_weight"], call["bn_bias"],
+        call["running_mean"], call["running_var"], call["training"], call["eps"],
+        call["stride"], call["padding"], call["output_padding"], call["dilation"],
+        call["groups"])
+
+
+def _conv_output(call: dict) -> Tensor:
+    """y = conv_transpose3d(x, weight), no bias (it cancels in batch statistics); TF32 off
+    whatever the global flags say, as the op's statistics are float32-exact."""
+    return torch.ops.aten._convolution.default(
+        call["x"], call["weight"], None, call["stride"], call["padding"], call["dilation"],
+        True, call["output_padding"], call["groups"], False, False, True, False)
+
+
+def statistics(y: Tensor) -> tuple:
+    """(sample_sums [B, C], stats [3, C] = count, mean, M2), float64, as ``ct_bn_pool_stats``
+    returns them: each sample's mean and centred sum of squares in y's compute dtype (two
+    passes and ATen's cascade sums: no cancellation), merged in float64."""
+    compute = torch.float64 if y.dtype == torch.float64 else torch.float32
+    per_sample = y.flatten(2).to(compute)
+    mean = per_sample.mean(2, keepdim=True)
+    m2 = (per_sample - mean).square_().sum(2).double()  # [B, C]
+    positions = per_sample.shape[2]
+    mean = mean.squeeze(2).double()
+    batch_mean = mean.mean(0)
+    m2 = m2.sum(0) + (mean - batch_mean).square().sum(0) * positions
+    count = torch.full_like(batch_mean, y.shape[0] * positions)
+    return mean * positions, torch.stack([count, batch_mean, m2])
+
+
+def forward(call: dict) -> tuple:
+    """(out, (y, sample_sums, stats)): the op's output and running-statistics update, computed
+    through y, and what the backward keeps."""
+    _check(call)
+    y = _conv_output(call)
+    sums, stats = statistics(y)
+    args = (sums, stats, y.shape[2] * y.shape[3] * y.shape[4], call["bias"], call["scale"],
+            call["bn_weight"], call["bn_bias"])
+    if call["running_mean"] is None:
+        out = torch.ops.fused_ops.ct_bn_pool_apply.no_stats(*args, call["eps"], call["x"].dtype)
+    else:
+        out = torch.ops.fused_ops.ct_bn_pool_apply(
+            *args, call["running_mean"], call["running_var"], call["momentum"], call["eps"],
+            call["x"].dtype)
+    return out, (y, sums, stats)
+
+
+def output_gradient(y: Tensor, field: Tensor, k: Tensor, mean: Tensor) -> Tensor:
+    """dL/dy = A + K (y - mean) (docs/math.md §6.2.2) in one pass over y, in y's dtype:
+    ``field`` A [B, C], ``k`` K [C], ``mean`` y's batch mean [C]."""
+    shift = (field - k * mean).to(y.dtype)[..., None, None, None]
+    return torch.addcmul(shift, y, k.to(y.dtype).view(1, -1, 1, 1, 1))
