@@ -109,7 +109,7 @@ class _CtBnPoolBackward(torch.autograd.Function):
         ctx.conv = {k: call[k] for k in ("stride", "padding", "output_padding", "dilation",
                                          "groups")}
         if (training and _kept_output.can_keep(call)
-                and _backward_routes.keeps(ctx.conv, call["weight"])):
+                and _backward_routes.keeps(ctx.conv, call["weight"], call["x"])):
             out, kept = _kept_output.forward(call)
         else:
             # Training normalizes with batch statistics: the backward recomputes them from the
@@ -247,7 +247,7 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
         # weight.
         if torch.is_grad_enabled():
             kept = ()
-        route = _backward_routes.chosen(ctx.conv, weight, can_keep=bool(kept))
+        route = _backward_routes.chosen(ctx.conv, weight, x, can_keep=bool(kept))
         if route == "aten":
             grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight,
                                                   g_sum, stats, all_reduce))

@@ -15,10 +15,30 @@ ROUTES = ("aten", "kept", *_COVERS)
 ROUTE = "auto"
 
 
-def chosen(conv: dict, weight: Tensor, can_keep: bool = False) -> str:
+# CUDA's thresholds for "spectral" (docs/dispatch.md): ATen's multiply-adds per complex
+# multiply-add of the spectral products, and ATen's multiply-adds (recomputed convolution
+# and convolution_backward) below which the spectral route's ~100 ops per call cost more.
+SPECTRAL_MIN_RATIO = 24
+SPECTRAL_MIN_ATEN_WORK = 1e11
+
+
+def _spectral_pays(conv: dict, weight: Tensor, x: Tensor) -> bool:
+    """ATen's 3 B Ci Co taps multiply-adds per input position against the spectral route's
+    3 B Cig Cog complex ones per bin of the full output's half spectrum (docs/math.md §6.2.2),
+    a complex multiply-add counted as four."""
+    taps = weight.shape[2] * weight.shape[3] * weight.shape[4]
+    positions = x.shape[2] * x.shape[3] * x.shape[4]
+    aten = 3 * x.shape[0] * x.shape[1] * weight.shape[1] * taps * positions
+    bins = _spectral_backward.half_spectrum_bins(x, weight, conv["dilation"])
+    ratio = taps * positions / (4 * bins)
+    return ratio >= SPECTRAL_MIN_RATIO and aten >= SPECTRAL_MIN_ATEN_WORK
+
+
+def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False) -> str:
     """"aten" (the recomputed convolution, docs/math.md §6.2), "kept" (the forward's, §6.2.4),
-    "spectral" (§6.2.2) or "gram" (§6.2.3) for a backward of this geometry; "kept" only where
-    the forward `can_keep` the output (``_kept_output.can_keep``, and a caller that keeps it)."""
+    "spectral" (§6.2.2) or "gram" (§6.2.3) for a backward of this geometry and input x;
+    "kept" only where the forward `can_keep` the output (``_kept_output.can_keep``, and a
+    caller that keeps it)."""
     if ROUTE != "auto":
         if ROUTE in _COVERS and not _COVERS[ROUTE][1](conv, weight):
             raise RuntimeError(f"fused_ops.testing.route(backward={ROUTE!r}): the route needs "
@@ -30,9 +50,13 @@ def chosen(conv: dict, weight: Tensor, can_keep: bool = False) -> str:
                                "create_graph (a double backward recomputes it)")
         return ROUTE
     if weight.is_cuda:
-        # "gram" and "spectral" await a measurement there ("spectral" also fails under
-        # torch.cuda.graph capture, undiagnosed), and the op's own statistics cost far less
-        # than the convolution "kept" would add to the forward.
+        # With padding the op's own statistics (border, direct, sliced_conv) cost more than
+        # the convolution that "kept" adds to the forward and spares the backward; without,
+        # they cost a fraction of it. "gram" loses to "aten" there.
+        if any(conv["padding"]) and can_keep:
+            return "kept"
+        if _spectral_backward.supported(conv, weight) and _spectral_pays(conv, weight, x):
+            return "spectral"
         return "aten"
     # The CPU: the forward's statistics cost a convolution there, so keeping its output
     # spares the backward's; "gram" beats that where x's Gram matrix is small against the
@@ -42,9 +66,9 @@ def chosen(conv: dict, weight: Tensor, can_keep: bool = False) -> str:
     return "kept" if can_keep else "aten"
 
 
-def keeps(conv: dict, weight: Tensor) -> bool:
+def keeps(conv: dict, weight: Tensor, x: Tensor) -> bool:
     """Whether a forward that can keep the convolution output should, for the route its
     backward will take: the rule of :func:`chosen`, checked by it again in the backward."""
     if ROUTE != "auto":
         return ROUTE == "kept"
-    return chosen(conv, weight, can_keep=True) == "kept"
+    return chosen(conv, weight, x, can_keep=True) == "kept"

@@ -35,11 +35,19 @@ def _check(call: dict) -> None:
 
 
 def _conv_output(call: dict) -> Tensor:
-    """y = conv_transpose3d(x, weight), no bias (it cancels in batch statistics); TF32 off
-    whatever the global flags say, as the op's statistics are float32-exact."""
-    return torch.ops.aten._convolution.default(
-        call["x"], call["weight"], None, call["stride"], call["padding"], call["dilation"],
-        True, call["output_padding"], call["groups"], False, False, True, False)
+    """y = conv_transpose3d(x, weight), no bias (it cancels in batch statistics); on CUDA with
+    TF32 off whatever the global flags say, as the op's statistics are float32-exact.
+    (``aten.convolution``: ``aten._convolution``, which takes the flag, refuses symbolic sizes
+    in torch 2.11, as ``torch.export`` with a dynamic batch gives.)"""
+    args = (call["x"], call["weight"], None, call["stride"], call["padding"], call["dilation"],
+            True, call["output_padding"], call["groups"])
+    if not call["x"].is_cuda:
+        return torch.ops.aten.convolution.default(*args)
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
+                     benchmark_limit=cudnn.benchmark_limit, deterministic=cudnn.deterministic,
+                     allow_tf32=False):
+        return torch.ops.aten.convolution.default(*args)
 
 
 def statistics(y: Tensor) -> tuple:

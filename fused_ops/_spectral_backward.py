@@ -37,6 +37,13 @@ def _full_size(x: Tensor, weight: Tensor, dilation) -> list:
     return [x.shape[2 + d] + dilation[d] * (weight.shape[2 + d] - 1) for d in range(3)]
 
 
+def half_spectrum_bins(x: Tensor, weight: Tensor, dilation) -> int:
+    """The frequencies the products run over: the full output's grid, the last dimension's
+    half spectrum."""
+    full = _full_size(x, weight, dilation)
+    return full[0] * full[1] * (full[2] // 2 + 1)
+
+
 def _bases(full, weight: Tensor, dilation, complex_dtype, device) -> list:
     """E_d[f, t] = exp(-2 pi i f t dil_d / n_d) for each frequency f of dimension d (the last
     dimension's half spectrum) and tap t. Angles from integer phases, exact modulo n_d."""
@@ -53,12 +60,11 @@ def _bases(full, weight: Tensor, dilation, complex_dtype, device) -> list:
 def _half_weights(full_last: int, device, dtype) -> Tensor:
     """Each half-spectrum bin's count in the full spectrum: 1 for 0 (and n/2 for even n), 2
     for the rest, whose mirror images are their conjugates."""
-    count = full_last // 2 + 1
-    weights = torch.full((count,), 2.0, device=device, dtype=dtype)
-    weights[0] = 1.0
-    if full_last % 2 == 0:
-        weights[-1] = 1.0
-    return weights
+    # From an arange on the device: an indexed store of a Python number copies a host tensor,
+    # which torch.cuda.graph capture refuses.
+    bins = torch.arange(full_last // 2 + 1, device=device)
+    single = (bins == 0) | (2 * bins == full_last)
+    return torch.where(single, 1.0, 2.0).to(dtype)
 
 
 class Grid:

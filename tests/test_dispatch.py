@@ -122,6 +122,38 @@ def test_auto_on_cuda_at_stride_1_weighs_the_cross_spectrum(batch, size, kernel,
         assert relerr(out, ref(x.double())) <= TOL[torch.float32]
 
 
+# --- the training backward's route (fused_ops/_backward_routes.py, docs/dispatch.md) --------
+
+BACKWARD_CASES = [
+    # (device, B, Ci, Co, spatial, kernel, conv, can_keep, route)
+    ("cpu", 4, 16, 16, 12, 2, dict(stride=2), True, "gram"),     # Cig / (Cog taps) = 1/8
+    ("cpu", 4, 32, 16, 8, 2, dict(stride=2), True, "kept"),      # cpu_up2: 1/4
+    ("cpu", 4, 16, 32, 8, 3, dict(), True, "kept"),              # cpu_small
+    ("cpu", 4, 16, 32, 8, 3, dict(), False, "aten"),             # the forward did not keep y
+    ("cuda", 16, 64, 128, (16, 32, 32), 5, dict(), True, "spectral"),  # seed: ratio 37
+    ("cuda", 16, 64, 128, (16, 32, 32), 3, dict(), True, "aten"),      # k3: ratio 10
+    ("cuda", 8, 32, 32, 8, 5, dict(), True, "aten"),             # t8k5: too small
+    ("cuda", 8, 64, 32, 16, 4, dict(stride=2, padding=1), True, "kept"),
+    ("cuda", 8, 64, 32, 16, 4, dict(stride=2, padding=1), False, "aten"),
+    ("cuda", 8, 64, 32, 16, 2, dict(stride=2), True, "aten"),    # up2: gram loses on CUDA
+]
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=lambda c: "-".join(map(str, c[:6])) + (
+    "-" + "-".join(f"{k}{v}" for k, v in c[6].items()) if c[6] else "") + f"-keep{c[7]}")
+def test_backward_route_follows_the_measured_rule(case):
+    device, batch, ci, co, spatial, kernel, conv, can_keep, route = case
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    spatial = spatial if isinstance(spatial, tuple) else (spatial,) * 3
+    geometry = {"stride": [conv.get("stride", 1)] * 3, "padding": [conv.get("padding", 0)] * 3,
+                "output_padding": [0] * 3, "dilation": [1] * 3, "groups": 1}
+    # Shapes are all the rule reads: empty strides of memory on the device (expand).
+    x = torch.empty(1, device=device).expand(batch, ci, *spatial)
+    weight = torch.empty(1, device=device).expand(ci, co, kernel, kernel, kernel)
+    assert fused_ops._backward_routes.chosen(geometry, weight, x, can_keep) == route
+
+
 # --- The testing hook --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("knob", list(ROUTES))
