@@ -35,19 +35,19 @@ def _check(call: dict) -> None:
 
 
 def _conv_output(call: dict) -> Tensor:
-    """y = conv_transpose3d(x, weight), no bias (it cancels in batch statistics); on CUDA with
-    TF32 off whatever the global flags say, as the op's statistics are float32-exact.
-    (``aten.convolution``: ``aten._convolution``, which takes the flag, refuses symbolic sizes
-    in torch 2.11, as ``torch.export`` with a dynamic batch gives.)"""
+    """y = conv_transpose3d(x, weight), no bias (it cancels in batch statistics). On CUDA
+    with TF32 off whatever the global flags say, as the op's statistics are float32-exact
+    (``aten._convolution`` takes the flag; CUDA's dispatch keeps y only in eager, where the
+    sizes are concrete). Elsewhere ``aten.convolution``, which also takes the symbolic sizes of
+    a trace (``torch.export`` with a dynamic batch; ``aten._convolution`` refuses them in
+    torch 2.11)."""
     args = (call["x"], call["weight"], None, call["stride"], call["padding"], call["dilation"],
             True, call["output_padding"], call["groups"])
     if not call["x"].is_cuda:
         return torch.ops.aten.convolution.default(*args)
     cudnn = torch.backends.cudnn
-    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark,
-                     benchmark_limit=cudnn.benchmark_limit, deterministic=cudnn.deterministic,
-                     allow_tf32=False):
-        return torch.ops.aten.convolution.default(*args)
+    return torch.ops.aten._convolution.default(*args, cudnn.benchmark, cudnn.deterministic,
+                                               cudnn.enabled, False)
 
 
 def statistics(y: Tensor) -> tuple:
