@@ -20,11 +20,10 @@ def supported(conv: dict, weight: Tensor) -> bool:
 
 
 def cheaper(weight: Tensor, groups: int) -> bool:
-    """Whether it beats the "kept" route on the CPU (docs/dispatch.md): its float64 GEMMs'
-    ``2 Cig^2`` multiply-adds per input position against oneDNN's convolution and
-    ``convolution_backward``, ``3 Cig Cog taps``; float64 costs it about twice per
-    multiply-add and the measurements put the crossing between ``Cig / (Cog taps)`` = 1/8
-    (gram 1.1 to 3.7 times faster) and 1/4 (kept 1.3 to 2.9 times faster)."""
+    """Whether it beats the "kept" route on the CPU: its float64 GEMMs' ``2 Cig^2``
+    multiply-adds per input position against oneDNN's convolution and
+    ``convolution_backward``, ``3 Cig Cog taps``, float64 costing about twice per
+    multiply-add; the threshold is docs/dispatch.md's measured crossing."""
     taps = weight.shape[2] * weight.shape[3] * weight.shape[4]
     return 6 * (weight.shape[0] // groups) < weight.shape[1] * taps
 

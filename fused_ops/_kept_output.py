@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from . import _fake
+from .distributed import merge_stats
 
 
 def can_keep(call: dict) -> bool:
@@ -53,17 +54,16 @@ def _conv_output(call: dict) -> Tensor:
 def statistics(y: Tensor) -> tuple:
     """(sample_sums [B, C], stats [3, C] = count, mean, M2), float64, as ``ct_bn_pool_stats``
     returns them: each sample's mean and centred sum of squares in y's compute dtype (two
-    passes and ATen's cascade sums: no cancellation), merged in float64."""
+    passes and ATen's cascade sums: no cancellation), merged as the process group's batches
+    are (``distributed.merge_stats``)."""
     compute = torch.float64 if y.dtype == torch.float64 else torch.float32
     per_sample = y.flatten(2).to(compute)
     mean = per_sample.mean(2, keepdim=True)
-    m2 = (per_sample - mean).square_().sum(2).double()  # [B, C]
-    positions = per_sample.shape[2]
+    m2 = (per_sample - mean).square_().sum(2)  # [B, C]
     mean = mean.squeeze(2).double()
-    batch_mean = mean.mean(0)
-    m2 = m2.sum(0) + (mean - batch_mean).square().sum(0) * positions
-    count = torch.full_like(batch_mean, y.shape[0] * positions)
-    return mean * positions, torch.stack([count, batch_mean, m2])
+    count = torch.full_like(mean, per_sample.shape[2])
+    merged = merge_stats(torch.stack([count, mean, m2.double()], dim=1))  # over [B, 3, C]
+    return mean * per_sample.shape[2], merged
 
 
 def forward(call: dict) -> tuple:
