@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 @dataclass
 class Mutant:
     name: str
-    file: str  # several paths separated by "|": the first that exists (a file that moved)
+    file: str  # the file it is planted in, from the tree's root
     old: object  # the snippet, or a tuple of alternatives (code that changed), with
     new: object  # the replacement of each
     why: str  # the bug it stands for
@@ -168,13 +168,13 @@ MUTANTS = [
            "synchronized statistics without the spread of the processes' means",
            ("tests/test_distributed.py",)),
     # --- C++ host code (needs --cpp-build): the finalize shared by both devices ----------------
-    Mutant("cpp_running_var_biased", "csrc/sums/finalize.h|csrc/bn_finalize.h",
+    Mutant("cpp_running_var_biased", "csrc/sums/finalize.h",
            "m * var_z * count / (count - 1)", "m * var_z",
            "running_var updated with the biased variance", ("tests/test_statistics.py",)),
-    Mutant("cpp_eps_dropped", "csrc/sums/finalize.h|csrc/bn_finalize.h",
+    Mutant("cpp_eps_dropped", "csrc/sums/finalize.h",
            "1.0 / sqrt(var_z + a.eps)", "1.0 / sqrt(var_z)",
            "the finalize normalizes without eps", ("tests/test_statistics.py", "tests/test_eval.py")),
-    Mutant("cpp_running_mean_without_bias", "csrc/sums/finalize.h|csrc/bn_finalize.h",
+    Mutant("cpp_running_mean_without_bias", "csrc/sums/finalize.h",
            ("m * (z_mu + a.scale * bias)", "m * a.scale * (mu + bias)"),
            ("m * z_mu", "m * a.scale * mu"),
            "running_mean without the conv bias", ("tests/test_statistics.py",)),
@@ -248,7 +248,7 @@ def main():
     mutants = [m for m in MUTANTS if args.only is None or m.name in args.only]
     if args.list:
         for m in mutants:
-            print(f"{m.name:45s} {m.file.split('|')[0]:26s} {m.why}")
+            print(f"{m.name:45s} {m.file:26s} {m.why}")
         return 0
 
     results = []
@@ -281,8 +281,8 @@ def main():
                 results.append((m, "skipped", "C++: needs --cpp-build", 0.0))
                 continue
             root = args.cpp_build if cpp else tree
-            source = next((root / f for f in m.file.split("|") if (root / f).is_file()), None)
-            if source is None:
+            source = root / m.file
+            if not source.is_file():
                 results.append((m, "stale", f"{m.file} not found", 0.0))
                 continue
             original = plant(source, m)

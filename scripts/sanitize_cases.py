@@ -23,12 +23,13 @@ for training in (False, True):
     for algo in ("direct", "sliced_conv"):
         run(3, 5, 19, (3, 4, 5), (2, 3, 2), training, algo)
         run(2, 6, 9, (5, 3, 4), 3, training, algo, stride=2, padding=1, output_padding=1, groups=3)
-# ct_stats.cu's direct kernel from global memory: 256 KiB of x per sample, past what it stages
-# in shared memory (the cases above are staged; at stride and dilation 1 ct_stats_stride1.cu's).
+# direct_energy.cu's kernel from global memory: 256 KiB of x per sample, past what it stages in
+# shared memory (the cases above are staged; at stride and dilation 1
+# direct_energy_stride1.cu's).
 run(1, 8, 4, (16, 16, 16), 2, True, "direct", torch.float64, dilation=(1, 1, 2))
-# At stride and dilation 1, ct_stats_mma.cu and ct_stats_stride1.cu: padding with halos outside
-# x, several staged chunks of input channels, a partial tile of output channels, groups; the
-# tensor cores' kernel also with tiles of part of a row, several tiles per block and its weights
+# At stride and dilation 1, direct_stats_mma.cu and direct_energy_stride1.cu: padding with halos
+# outside x, several staged chunks of input channels, a partial tile of output channels, groups;
+# the tensor cores' kernel also with tiles of part of a row, several tiles per block and its weights
 # kept over them, one MMA tile per block; box_sums.cu in float32, float64 and bfloat16 x.
 for route in ("mma", "simt"):
     with fused_ops.testing.route(direct=route):
@@ -47,7 +48,7 @@ for dtype in (torch.float32, torch.float64):
 for conv in ({}, {"groups": 2, "dilation": (2, 1, 1)}):
     run(19, 6, 38, (5, 4, 7), (3, 2, 3), True, "fft", **conv)  # two b passes, edge tiles
 run(2, 3, 5, (30, 2, 3), 2, True, "fft")  # two fd passes
-# spectral_energy.cu's kernel for small batches (each block's own weight spectrum): the
+# fft_spectral_energy.cu's kernel for small batches (each block's own weight spectrum): the
 # bench's t8c64, taps in several pieces (k5), groups with dilation, odd channel counts.
 run(8, 64, 64, (8, 8, 8), 3, True, "fft")
 run(8, 32, 32, (8, 8, 8), 5, True, "fft")
@@ -78,12 +79,13 @@ run(2, 4, 6, (4, 5, 3), (3, 2, 3), True, "border", stride=(2, 3, 1), dilation=(1
 run(3, 4, 6, (3, 4, 5), 1, True, "fft", stride=2)
 run(2, 6, 9, (4, 3, 5), (3, 2, 4), True, "fft", stride=(2, 1, 3), dilation=(1, 2, 1),
     output_padding=(1, 0, 2), groups=3)
-# cross_spectrum.cu: float32 with two tiles (the second partial) and two launches of W
+# cross_spectrum_s_stage.cu: float32 with two tiles (the second partial) and two launches of W
 # lags; three tiles in float32 and five in float64 (off-diagonal pairs beyond the first
 # row); float64 (one tile); a batch over two chunks; groups and phases; whole chunks of
 # samples and whole tiles (the unrolled steps), float32 and float64, 10 W lags (5 + 5).
-# lag_stage.cu: 13 D lags and 11 H lags (two launches each). tap_spectrum.cu runs in these
-# and the next cases where k'w <= 8 (k'w of 2, 3 and 7).
+# cross_spectrum_lag_stage.cu: 13 D lags and 11 H lags (two launches each).
+# cross_spectrum_tap_spectrum.cu runs in these and the next cases where k'w <= 8 (k'w of 2, 3
+# and 7).
 run(2, 40, 6, (3, 4, 5), (2, 2, 10), True, "cross_spectrum")
 run(32, 32, 5, (3, 4, 5), (3, 2, 10), True, "cross_spectrum")
 run(16, 16, 4, (3, 4, 5), 2, True, "cross_spectrum", torch.float64)
@@ -92,17 +94,17 @@ run(2, 72, 6, (3, 4, 5), 3, True, "cross_spectrum", torch.float64)
 run(2, 5, 6, (3, 4, 5), (7, 6, 2), True, "cross_spectrum")
 run(19, 6, 8, (3, 4, 5), 3, True, "cross_spectrum", torch.float64)
 run(2, 6, 9, (4, 3, 5), (3, 2, 4), True, "cross_spectrum", stride=(2, 1, 3), groups=3)
-# cross_spectrum_mma.cu (float32, even groups, sm_90; the cases above with an even group
+# cross_spectrum_s_stage_mma.cu (float32, even groups, sm_90; the cases above with an even group
 # run it): a partial chunk of 3 samples and a block whose columns end at 34 of its 48;
-# groups of 20 channels. cross_spectrum.cu's float32 kernel, forced where that one runs.
+# groups of 20 channels. cross_spectrum_s_stage.cu's float32 kernel, forced where that one runs.
 run(19, 34, 5, (3, 4, 5), (3, 2, 3), True, "cross_spectrum")
 run(10, 40, 6, (4, 3, 5), (2, 3, 7), True, "cross_spectrum", groups=2)
 with fused_ops.testing.route(s_stage="simt"):
     run(2, 40, 6, (3, 4, 5), (2, 2, 10), True, "cross_spectrum")
     run(32, 32, 5, (3, 4, 5), (3, 2, 10), True, "cross_spectrum")
-# quad_form_mma.cu (sm_90; the cross_spectrum cases above run it): R = 72 rows with 200
-# columns (partial row and column tiles, a chunk past R), and 37 columns (odd: 8-byte copies
-# of W); cuBLAS's product and quad_form.cu, forced where that one runs.
+# cross_spectrum_quad_form_mma.cu (sm_90; the cross_spectrum cases above run it): R = 72 rows
+# with 200 columns (partial row and column tiles, a chunk past R), and 37 columns (odd: 8-byte
+# copies of W); cuBLAS's product and cross_spectrum_quad_form.cu, forced where that one runs.
 run(2, 36, 200, (3, 4, 5), 2, True, "cross_spectrum")
 run(2, 5, 37, (3, 4, 5), (2, 3, 2), True, "cross_spectrum")
 with fused_ops.testing.route(contraction="gemm"):
@@ -120,7 +122,7 @@ torch.cuda.synchronize()
 assert torch.isfinite(out).all()
 run(1, 3, 4, (7, 9, 11), 3, False, "auto")  # odd length: the scalar spatial-sum path
 run(2, 4, 8, (64, 64, 64), 1, False, "auto")  # few rows: a row split into parts
-# Eval's x-only pass and finalize (spatial_sum_x.cu, eval_finalize.cu) on sm_90: one lane a
+# Eval's x-only pass and finalize (eval_x_sums.cu, eval_finalize.cu) on sm_90: one lane a
 # sample over two rounds; a batch of loads a lane plus a remainder; groups; and more than
 # 1024 input channels per group (the x-and-weight pass instead).
 run(300, 4, 5, (2, 2, 4), (2, 1, 2), False, "auto")

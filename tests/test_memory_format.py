@@ -40,7 +40,7 @@ def channel_window(x):
     return view
 
 
-# Each view of x; the comment says how the CUDA sums read it (kernels.h: SampleLayout).
+# Each view of x; the comment says how the CUDA sums read it (sums_kernels.h: SampleLayout).
 VIEWS = {
     "channels_last_3d": lambda x: x.contiguous(memory_format=CHANNELS_LAST),  # channels adjacent
     "dhw_permuted": lambda x: in_memory_order(x, (0, 1, 4, 2, 3)),  # positions adjacent

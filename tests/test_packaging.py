@@ -2,6 +2,7 @@
 build_info. Nothing here writes into the source tree: the sdist is built from a copy of it
 in a temporary directory, and nothing is compiled (a CUDA build takes many minutes)."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,27 @@ def test_a_source_tree_without_the_extension_says_how_to_build(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode != 0
     assert "has no compiled extension" in run.stderr and "pip install" in run.stderr
+
+
+def test_the_source_files_the_tree_names_exist():
+    """A kernel or header named in a comment, a docstring or the docs is found under that name:
+    files move (one folder per algorithm) and their references must follow. System and
+    library headers (``#include <...>``, ATen's, CUDA's) and files kept only at the
+    ``lab-notebook`` tag are not the tree's."""
+    files = source_files()
+    names = {Path(name).name for name in files}
+    reference = re.compile(r"\b([A-Za-z0-9_]+\.(?:cu|cuh|cpp))\b|\b([a-z0-9_]+\.h)\b")
+    library = {"ATen.h", "Python.h", "library.h", "variable.h", "cuda_runtime.h",
+               "cuda_runtime_api.h", "fused_ops_build_info.h"}
+    missing = []
+    for name in files:
+        if not name.endswith((".py", ".md", ".cu", ".cuh", ".cpp", ".h", ".sh", ".toml")):
+            continue
+        for number, line in enumerate((REPO / name).read_text(errors="replace").splitlines(), 1):
+            if line.lstrip().startswith("#include") or "lab-notebook" in line:
+                continue
+            for match in reference.finditer(line):
+                file = match.group(1) or match.group(2)
+                if file not in names and file not in library and len(file) > 4:
+                    missing.append(f"{name}:{number}: {file}")
+    assert not missing, "references to files the tree does not have:\n" + "\n".join(missing)

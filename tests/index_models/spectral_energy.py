@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 SMS = 132                   # H200
-SMEM_LIMIT = 160 << 10      # fft_energy.cpp kMaxSmemBytes (the H200's opt-in is larger)
+SMEM_LIMIT = 160 << 10      # csrc/fft/cuda/fft.cpp kMaxSmemBytes (the H200's opt-in is larger)
 TILE_B, MAX_THREADS, MAX_KD = 8, 384, 8
 TAP_BUFFER = 32 << 10
 MAX_REREAD = 48 << 20
@@ -118,7 +118,7 @@ def layout(a):
 
 
 def uses_small_kernel(c):
-    """small_kernel_pays (fft_energy.cpp) for a stride-1 problem."""
+    """small_kernel_pays (csrc/fft/cuda/fft.cpp) for a stride-1 problem."""
     a = plan(c)
     if a is None:
         return False, None
@@ -128,7 +128,7 @@ def uses_small_kernel(c):
 
 
 def twiddle(f, t, L, cdt):
-    """spectrum_common.cuh twiddle: exp(-2 pi i ((f t) mod L) / L)."""
+    """csrc/common/cuda/complex.cuh twiddle: exp(-2 pi i ((f t) mod L) / L)."""
     m = (np.asarray(f) * np.asarray(t)) % L
     return np.exp(-2j * np.pi * m / L).astype(cdt)
 

@@ -87,7 +87,7 @@ def model(cig, groups, lags_total, rows=2, lwf=5, batch=3, seed=0):
                     # neither diagonal nor partial, and rows of whole sectors (Cig a multiple of 4)
                     full_tile = 8 * q + 8 <= cig and q > 2 * p + 1 and cig % 4 == 0
                     tid = lambda e: ((((row * groups + group) * 64 + y) * kWarps + warp) * 32 + lane) * 4 + e
-                    # The thread's sums per entry e: acc = (A, C), mir = (B, D) of cross_spectrum.cu.
+                    # The thread's sums per entry e: acc = (A, C), mir = (B, D) of cross_spectrum_s_stage.cu.
                     acc, mir = {}, {}
                     for e in range(4):
                         i = i0 + g + (8 if e >= 2 else 0)

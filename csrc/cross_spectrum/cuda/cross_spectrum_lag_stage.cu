@@ -43,9 +43,9 @@ __device__ __forceinline__ float2 narrow_to(double2 v, float2) {
 // and the coefficients loaded beside it, the stage would spend most of its stalls waiting on
 // them with DRAM far from busy (ncu, docs/performance.md). Deeper prefetching, several threads per
 // column, Q transposed or in blocks of columns and the float64 tensor cores do no better on the
-// seed shape; only a kernel compiled for the exact shape is faster (scripts/lag_stage_variants.cu,
-// docs/performance.md). The coefficients are real, so each product is two
-// DFMAs.
+// seed shape; only a kernel compiled for the exact shape is faster
+// (scripts/lag_stage_variants.cu at tag lab-notebook). The coefficients are real, so each
+// product is two DFMAs.
 template <typename C>
 constexpr int kAhead = 32 / sizeof(C);
 constexpr int kFreqTile = 64;  // coefficients staged per pass: kFreqTile x kLags
