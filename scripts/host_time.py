@@ -7,9 +7,10 @@ For each case: the median wall time of issuing one call (perf_counter around the
 GPU kept busy so that no call waits for it), the time per call of back-to-back loops (the
 fastest of 5; on CUDA one synchronization per loop, so this is the eager loop's pace), the
 ATen ops each call dispatches and the host time of the op's dispatch under torch.profiler
-(CPU activity). Cases: a tiny problem (host
-time alone), the seed problem and padded/strided training problems; the raw op, and the
-module under no_grad and with gradients.
+(CPU activity). Cases: a tiny problem (host time alone), the seed problem and padded/strided
+training problems; the raw op, and the module under no_grad and with gradients;
+--reduce-overhead adds the module under torch.compile(mode="reduce-overhead") (CUDA graph
+trees, under no_grad; compiling takes tens of seconds per problem and mode).
 """
 import argparse
 import statistics
@@ -95,6 +96,8 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--problems", default=",".join(PROBLEMS))
+    parser.add_argument("--reduce-overhead", action="store_true",
+                        help="also time the module compiled with mode='reduce-overhead' (CUDA)")
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)  # host time, not the CPU kernels' parallelism
@@ -109,9 +112,14 @@ def main():
             state = {k: v.clone() for k, v in module.state_dict().items()}
             forms = [("raw op, no_grad", raw_call(module), False),
                      ("module, no_grad", module, False), ("module, grad", module, True)]
+            if args.reduce_overhead and args.device == "cuda":
+                torch._dynamo.reset()
+                forms.append(("reduce-overhead", torch.compile(module, mode="reduce-overhead"),
+                              False))
             for form, fn, grad in forms:
                 with torch.set_grad_enabled(grad):
-                    fn(x)  # first call: plans, tables, lazy initialization
+                    for _ in range(3):  # plans, tables, lazy initialization; graph recording
+                        fn(x)
                     calls = args.calls if name == "tiny" else max(20, args.calls // 10)
                     us = issue_us(fn, x, calls, args.device)
                     loop = loop_us(fn, x, calls, args.device)
