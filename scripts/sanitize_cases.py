@@ -1,20 +1,50 @@
 """Small calls that run every CUDA kernel once, for compute-sanitizer (scripts/gpu_check.sh).
 
+    python scripts/sanitize_cases.py [--shard I/N]
+
 Kernels that `auto` does not pick for these shapes are reached with fused_ops.testing.route.
+--shard I/N runs the I-th of N interleaved parts of the cases (0 <= I < N), so that N
+sanitizer processes share the work: racecheck runs each case an order of magnitude slower
+than memcheck.
 """
+import argparse
+import itertools
+
 import torch
 
 import fused_ops
 import fused_ops.testing
 
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--shard", default="0/1", help="I/N: the I-th of N parts of the cases")
+SHARD, SHARDS = (int(part) for part in parser.parse_args().shard.split("/"))
+if not 0 <= SHARD < SHARDS:
+    parser.error(f"--shard {SHARD}/{SHARDS}: needs 0 <= I < N")
+CASES = itertools.count()
+
 
 def run(batch, ci, co, size, kernel, training, algo, dtype=torch.float32, bn_dtype=None,
         view=lambda x: x, **conv):
+    if next(CASES) % SHARDS != SHARD:
+        return
     m = fused_ops.ConvTransposeBNPool3d(ci, co, kernel, 2.0, algo=algo, **conv).cuda().to(dtype)
     m.batch_norm.to(bn_dtype or dtype)
     m.train(training)
     with torch.no_grad():
         out = m(view(torch.randn(batch, ci, *size, device="cuda", dtype=dtype)))
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
+def no_stats_and_the_split_ops():
+    """The overload without running statistics, and ct_bn_pool_stats / ct_bn_pool_apply."""
+    m = fused_ops.ConvTransposeBNPool3d(4, 6, 3, 2.0, stride=2, track_running_stats=False).cuda()
+    with torch.no_grad():
+        assert torch.isfinite(m(torch.randn(2, 4, 3, 4, 5, device="cuda"))).all()
+    x, w = torch.randn(3, 4, 3, 4, 5, device="cuda"), torch.randn(4, 6, 2, 2, 2, device="cuda")
+    sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(x, w)
+    out = torch.ops.fused_ops.ct_bn_pool_apply(sums, stats, 4 * 5 * 6, None, 2.0, None, None,
+                                               None, None, 0.1, 1e-5, torch.float32)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
 
@@ -109,17 +139,8 @@ run(2, 36, 200, (3, 4, 5), 2, True, "cross_spectrum")
 run(2, 5, 37, (3, 4, 5), (2, 3, 2), True, "cross_spectrum")
 with fused_ops.testing.route(contraction="gemm"):
     run(2, 36, 200, (3, 4, 5), 2, True, "cross_spectrum")
-m = fused_ops.ConvTransposeBNPool3d(4, 6, 3, 2.0, stride=2, track_running_stats=False).cuda()
-with torch.no_grad():
-    assert torch.isfinite(m(torch.randn(2, 4, 3, 4, 5, device="cuda"))).all()
-for name in ("ct_bn_pool_stats", "ct_bn_pool_apply"):
-    assert hasattr(torch.ops.fused_ops, name)
-x, w = torch.randn(3, 4, 3, 4, 5, device="cuda"), torch.randn(4, 6, 2, 2, 2, device="cuda")
-sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(x, w)
-out = torch.ops.fused_ops.ct_bn_pool_apply(sums, stats, 4 * 5 * 6, None, 2.0, None, None,
-                                           None, None, 0.1, 1e-5, torch.float32)
-torch.cuda.synchronize()
-assert torch.isfinite(out).all()
+if next(CASES) % SHARDS == SHARD:
+    no_stats_and_the_split_ops()
 run(1, 3, 4, (7, 9, 11), 3, False, "auto")  # odd length: the scalar spatial-sum path
 run(2, 4, 8, (64, 64, 64), 1, False, "auto")  # few rows: a row split into parts
 # Eval's x-only pass and finalize (eval_x_sums.cu, eval_finalize.cu) on sm_90: one lane a
@@ -162,4 +183,4 @@ with fused_ops.testing.limit(slice_bytes=1, finalize_terms=1):
 for dtype in (torch.float16, torch.bfloat16):  # 8 channels a 16-byte load, and 2-byte loads
     for ci in (16, 6):
         run(2, ci, 5, (4, 6, 8), 2, False, "auto", dtype, torch.float32, view=channels_last)
-print("sanitize cases ran")
+print(f"sanitize cases ran: shard {SHARD} of {SHARDS}, {next(CASES)} cases in all")
