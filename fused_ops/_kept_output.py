@@ -51,25 +51,16 @@ def _conv_output(call: dict) -> Tensor:
                                                cudnn.enabled, False)
 
 
-def _per_sample_moments(per_sample: Tensor) -> tuple:
-    """(mean, centred sum of squares) over the last dimension, without cancellation: on CUDA
-    one Welford pass over y (``var_mean``, one kernel); on the CPU two passes and ATen's
-    cascade sums, which run faster there than its Welford."""
-    if per_sample.is_cuda:
-        var, mean = torch.var_mean(per_sample, dim=2, correction=0)
-        return mean, var * per_sample.shape[2]
-    mean = per_sample.mean(2, keepdim=True)
-    return mean.squeeze(2), (per_sample - mean).square_().sum(2)
-
-
 def statistics(y: Tensor) -> tuple:
     """(sample_sums [B, C], stats [3, C] = count, mean, M2), float64, as ``ct_bn_pool_stats``
-    returns them: each sample's mean and centred sum of squares in y's compute dtype, merged
-    as the process group's batches are (``distributed.merge_stats``)."""
+    returns them: each sample's mean and centred sum of squares in y's compute dtype (two
+    passes and ATen's cascade sums: no cancellation), merged as the process group's batches
+    are (``distributed.merge_stats``)."""
     compute = torch.float64 if y.dtype == torch.float64 else torch.float32
     per_sample = y.flatten(2).to(compute)
-    mean, m2 = _per_sample_moments(per_sample)  # [B, C]
-    mean = mean.double()
+    mean = per_sample.mean(2, keepdim=True)
+    m2 = (per_sample - mean).square_().sum(2)  # [B, C]
+    mean = mean.squeeze(2).double()
     count = torch.full_like(mean, per_sample.shape[2])
     merged = merge_stats(torch.stack([count, mean, m2.double()], dim=1))  # over [B, 3, C]
     return mean * per_sample.shape[2], merged
