@@ -13,9 +13,13 @@
 # CI's; PYTEST_K= runs everything). bench-compare: BASE_PKG=<a .tgz of, or a folder holding,
 # a fused_ops package built on this machine from the tree before a change> benches the seed rows
 # of both trees alternately, twice each (COMPARE_PROBLEMS to change the problems).
+# PREBUILT=1: the build step uses a fused_ops/_C*.so already in the tree if it loads (built
+# elsewhere against this machine's torch and Python, `TORCH_CUDA_ARCH_LIST=9.0 python setup.py
+# build_ext --inplace`), and builds only if it does not: a CUDA build takes minutes here.
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}  # scripts/ and bench/ import this tree
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} PYTHONUNBUFFERED=1
@@ -37,7 +41,9 @@ if want build; then
   step build
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-  if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  if [[ -n ${PREBUILT:-} ]] && python3 -c "import fused_ops._C" >"$OUT/build.log" 2>&1; then
+    echo "the carried build: $(ls fused_ops/_C*.so)"
+  elif ! python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
     tail -60 "$OUT/build.log"
     exit 1
   fi
@@ -119,8 +125,8 @@ if want bench-compare; then
   if [[ -f $base ]]; then mkdir -p /tmp/fused_ops_base && tar -xzf "$base" -C /tmp/fused_ops_base; base=/tmp/fused_ops_base; fi
   for round in 1 2; do
     for side in before after; do
-      path=""; [[ $side == before ]] && path=$base
-      # From /tmp, so that PYTHONPATH (the package before) or the editable install (after) decides.
+      path=$REPO; [[ $side == before ]] && path=$base
+      # From /tmp, so that PYTHONPATH decides: the package before, or this tree.
       (cd /tmp && PYTHONPATH=$path python3 -c "import fused_ops; print('== $side $round:', fused_ops.__file__)" &&
         PYTHONPATH=$path python3 "$REPO/bench/bench_ct_bn_pool.py" --problems "${COMPARE_PROBLEMS:-seed}" \
           --modes eval,train --no-compile --out "$OUT/compare-$side$round") 2>&1 |
