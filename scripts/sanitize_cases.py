@@ -23,9 +23,14 @@ if not 0 <= SHARD < SHARDS:
 CASES = itertools.count()
 
 
+def mine() -> bool:
+    """Whether the next case is this shard's."""
+    return next(CASES) % SHARDS == SHARD
+
+
 def run(batch, ci, co, size, kernel, training, algo, dtype=torch.float32, bn_dtype=None,
         view=lambda x: x, **conv):
-    if next(CASES) % SHARDS != SHARD:
+    if not mine():
         return
     m = fused_ops.ConvTransposeBNPool3d(ci, co, kernel, 2.0, algo=algo, **conv).cuda().to(dtype)
     m.batch_norm.to(bn_dtype or dtype)
@@ -139,7 +144,7 @@ run(2, 36, 200, (3, 4, 5), 2, True, "cross_spectrum")
 run(2, 5, 37, (3, 4, 5), (2, 3, 2), True, "cross_spectrum")
 with fused_ops.testing.route(contraction="gemm"):
     run(2, 36, 200, (3, 4, 5), 2, True, "cross_spectrum")
-if next(CASES) % SHARDS == SHARD:
+if mine():
     no_stats_and_the_split_ops()
 run(1, 3, 4, (7, 9, 11), 3, False, "auto")  # odd length: the scalar spatial-sum path
 run(2, 4, 8, (64, 64, 64), 1, False, "auto")  # few rows: a row split into parts
