@@ -4,6 +4,7 @@
 // algorithm's folder (docs/design.md, file map).
 #include <ATen/ATen.h>
 
+#include <array>
 #include <string>
 
 #include "backend.h"
@@ -102,6 +103,23 @@ at::Tensor ct_bn_pool_apply_forward(const Backend& backend, const at::Tensor& sa
                                     const c10::optional<at::Tensor>& running_var, double momentum,
                                     double eps, at::ScalarType dtype);
 
+// _ct_bn_pool_kept_stats (csrc/kept/kept.cpp): the convolution output y [B, Co, ...] (TF32
+// off) with ct_bn_pool_stats' two results taken from it.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_stats_forward(
+    const Backend& backend, const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef output_padding, at::IntArrayRef dilation,
+    int64_t groups);
+
+// _ct_bn_pool_kept_backward: the gradients of x and the weight (where output_mask asks; empty
+// otherwise), of the BatchNorm weight and of its bias (compute dtype) from the kept y, its
+// sample sums and statistics (docs/math.md §6.2.4).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const c10::optional<at::Tensor>& bn_weight, const at::Tensor& y, const at::Tensor& sample_sums,
+    const at::Tensor& stats, double scale, double eps, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef output_padding, at::IntArrayRef dilation,
+    int64_t groups, std::array<bool, 2> output_mask);
+
 // The ops' kernels on one device: what TORCH_LIBRARY_IMPL registers.
 template <const Backend& backend>
 at::Tensor ct_bn_pool_kernel(const at::Tensor& x, const at::Tensor& weight,
@@ -162,6 +180,14 @@ at::Tensor ct_bn_pool_apply_no_stats_kernel(const at::Tensor& sample_sums, const
                                   bn_bias, {}, {}, /*momentum=*/0.0, eps, dtype);
 }
 
+template <const Backend& backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_stats_kernel(
+    const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
+    at::IntArrayRef output_padding, at::IntArrayRef dilation, int64_t groups) {
+  return ct_bn_pool_kept_stats_forward(backend, x, weight, stride, padding, output_padding,
+                                       dilation, groups);
+}
+
 // Registers the ops' kernels of one device (TORCH_LIBRARY_IMPL of each backend; Library:
 // torch::Library, whose header only the backends' registration units include).
 template <const Backend& backend, typename Library>
@@ -171,6 +197,8 @@ void register_kernels(Library& m) {
   m.impl("ct_bn_pool_stats", &ct_bn_pool_stats_kernel<backend>);
   m.impl("ct_bn_pool_apply", &ct_bn_pool_apply_kernel<backend>);
   m.impl("ct_bn_pool_apply.no_stats", &ct_bn_pool_apply_no_stats_kernel<backend>);
+  m.impl("_ct_bn_pool_kept_stats", &ct_bn_pool_kept_stats_kernel<backend>);
+  m.impl("_ct_bn_pool_kept_backward", &ct_bn_pool_kept_backward);
 }
 
 }  // namespace fused_ops

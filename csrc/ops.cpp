@@ -63,6 +63,19 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "ct_bn_pool_apply.no_stats(Tensor sample_sums, Tensor stats, int spatial, Tensor? bias, "
       "float scale, Tensor? bn_weight, Tensor? bn_bias, float eps, ScalarType dtype) -> Tensor");
+  // Training mode's "kept" route (fused_ops/_kept_output.py, docs/math.md §6.2.4): the
+  // convolution output y with the statistics ct_bn_pool_stats gives, and the backward from the
+  // kept y (output_mask: the gradients of x and the weight wanted). Called by ct_bn_pool's
+  // autograd formula; no autograd of their own.
+  m.def(
+      "_ct_bn_pool_kept_stats(Tensor x, Tensor weight, *, int[3] stride=1, int[3] padding=0, "
+      "int[3] output_padding=0, int[3] dilation=1, int groups=1) "
+      "-> (Tensor y, Tensor sample_sums, Tensor stats)");
+  m.def(
+      "_ct_bn_pool_kept_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? bn_weight, "
+      "Tensor y, Tensor sample_sums, Tensor stats, float scale, float eps, *, int[3] stride, "
+      "int[3] padding, int[3] output_padding, int[3] dilation, int groups, bool[2] output_mask) "
+      "-> (Tensor grad_x, Tensor grad_weight, Tensor grad_bn_weight, Tensor grad_bn_bias)");
   // ct_bn_pool as its autograd formula sees it: the Autograd kernel of ct_bn_pool calls these
   // when a gradient can flow (below), and fused_ops/_autograd.py registers the formula on
   // them. Below autograd they are ct_bn_pool itself.
@@ -160,14 +173,16 @@ void differentiable_below_autograd(const c10::OperatorHandle& op, torch::jit::St
 // ct_bn_pool's autograd formula is registered in Python (fused_ops/_autograd.py) on
 // _ct_bn_pool_differentiable, which ct_bn_pool's Autograd kernel calls when a gradient can flow.
 // The two halves of the synchronized training step have no backward: one through
-// ct_bn_pool_stats raises, naming the op, instead of returning wrong gradients;
-// ct_bn_pool_apply, which writes the running stats, refuses inputs requiring grad at the
+// ct_bn_pool_stats raises, naming the op, instead of returning wrong gradients (as one through
+// the kept route's two ops, which only the formula calls); ct_bn_pool_apply, which writes the running stats, refuses inputs requiring grad at the
 // call, and its writes bump the versions.
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
   for (const char* op : {"ct_bn_pool", "ct_bn_pool.no_stats"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&ct_bn_pool_autograd>());
   }
-  m.impl("ct_bn_pool_stats", torch::autograd::autogradNotImplementedFallback());
+  for (const char* op : {"ct_bn_pool_stats", "_ct_bn_pool_kept_stats", "_ct_bn_pool_kept_backward"}) {
+    m.impl(op, torch::autograd::autogradNotImplementedFallback());
+  }
   for (const char* op : {"ct_bn_pool_apply", "ct_bn_pool_apply.no_stats"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&apply_autograd>());
   }
@@ -185,7 +200,8 @@ TORCH_LIBRARY_IMPL(fused_ops, ADInplaceOrView, m) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_written_versions<true>>());
   }
   m.impl("ct_bn_pool_apply", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions<false>>());
-  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply.no_stats"}) {
+  for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply.no_stats", "_ct_bn_pool_kept_stats",
+                         "_ct_bn_pool_kept_backward"}) {
     m.impl(op, torch::autograd::autogradNotImplementedInplaceOrViewFallback());
   }
 }

@@ -237,10 +237,10 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
     ``all_reduce`` a function summing a ``[2, C]`` tensor over the group. The gradients of
     the BatchNorm parameters are this process's part, as ``nn.SyncBatchNorm`` returns them.
     """
-    g_sum = grad_out.to(_compute_dtype(x.dtype)).sum(0).flatten()  # sum_b g
-    grads = {"bn_bias": g_sum}
+    grads = {}
     if bias is not None:
         grads["bias"] = torch.zeros_like(bias)  # the batch mean removes it
+    route = None
     if needs["x"] or needs["weight"] or needs["bn_weight"]:
         # A double backward (create_graph) differentiates this backward: what the forward kept
         # is a constant to autograd, so y and its statistics are recomputed from x and the
@@ -248,12 +248,17 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
         if torch.is_grad_enabled():
             kept = ()
         route = _backward_routes.chosen(ctx.conv, weight, x, can_keep=bool(kept))
-        if route == "aten":
-            grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight,
-                                                  g_sum, stats, all_reduce))
-        else:
-            grads.update(_affine_output_grads(route, ctx, grad_out, needs, x, weight,
-                                              bn_weight, g_sum, stats, all_reduce, kept))
+    if route == "kept":  # only a process's own batch keeps y
+        grads.update(_kept_output.backward(ctx, grad_out, needs, x, weight, bn_weight, kept))
+        return grads
+    g_sum = grad_out.to(_compute_dtype(x.dtype)).sum(0).flatten()  # sum_b g
+    grads["bn_bias"] = g_sum
+    if route == "aten":
+        grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum,
+                                              stats, all_reduce))
+    elif route is not None:
+        grads.update(_affine_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight,
+                                          g_sum, stats, all_reduce))
     return grads
 
 
@@ -273,20 +278,16 @@ def _z_unit(ctx, var: Tensor) -> Tensor:
 
 
 def _affine_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g_sum,
-                         stats=None, all_reduce=None, kept=()):
-    """§6.2.2–§6.2.4: the gradients of :func:`_normalized_output_grads` from
-    dL/dy = A + K (y - mean), a constant field and a K part: without the convolution output
-    (``route`` "spectral" or "gram"), or ("kept") by ``convolution_backward`` of the field
-    formed from the y that the forward kept (``kept``: y, its sums, its statistics)."""
+                         stats=None, all_reduce=None):
+    """§6.2.2–§6.2.3: the gradients of :func:`_normalized_output_grads` from
+    dL/dy = A + K (y - mean), a constant field and a K part, without the convolution output
+    (``route`` "spectral" or "gram"; "kept", §6.2.4, is ``_kept_output.backward``)."""
     compute, c = _compute_dtype(x.dtype), ctx.conv
     groups = c["groups"]
-    # The forward's sums and statistics of y (without bias), float64: [B, C] and [3, C].
-    if kept:
-        y, sums, own = kept
-    else:
-        sums, own = torch.ops.fused_ops.ct_bn_pool_stats(
-            x, weight, stride=c["stride"], padding=c["padding"],
-            output_padding=c["output_padding"], dilation=c["dilation"], groups=groups)
+    # The sums and statistics of y (without bias), float64: [B, C] and [3, C].
+    sums, own = torch.ops.fused_ops.ct_bn_pool_stats(
+        x, weight, stride=c["stride"], padding=c["padding"],
+        output_padding=c["output_padding"], dilation=c["dilation"], groups=groups)
     count, mean, m2 = (own if stats is None else stats).unbind(0)
     var = m2 / count
     size = out_size(x, weight, c["stride"], c["padding"], c["output_padding"], c["dilation"])
@@ -308,11 +309,6 @@ def _affine_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g_su
     coef = gain / n
     field = coef * (g - means[0])  # A[b, c]
     k = -coef * means[1] * z_unit  # K_c
-    if route == "kept":
-        grad_y = _kept_output.output_gradient(y, field, k, mean)
-        grads["x"], grads["weight"] = _convolution_backward(ctx, grad_y, x, weight, needs["x"],
-                                                            needs["weight"])
-        return grads
     if route == "gram":
         k_x, k_weight = _gram_backward.k_part(x, weight, k, mean, groups, needs["x"],
                                               needs["weight"])

@@ -35,12 +35,6 @@ def _spectral_pays(conv: dict, weight: Tensor, x: Tensor) -> bool:
     return ratio >= SPECTRAL_MIN_RATIO and aten >= SPECTRAL_MIN_ATEN_WORK
 
 
-def _eager(x: Tensor) -> bool:
-    """Not being traced (torch.compile, torch.export). "kept" on CUDA forms y with TF32 off,
-    which a traced graph's convolution does not keep: it follows the flags of the run."""
-    return not torch.compiler.is_compiling() and torch._guards.detect_fake_mode([x]) is None
-
-
 def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False) -> str:
     """"aten" (the recomputed convolution, docs/math.md §6.2), "kept" (the forward's, §6.2.4),
     "spectral" (§6.2.2) or "gram" (§6.2.3) for a backward of this geometry and input x;
@@ -60,7 +54,7 @@ def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False) -> str
         # With padding the op's own statistics (border, direct, sliced_conv) cost more than
         # the convolution that "kept" adds to the forward and spares the backward; without,
         # they cost a fraction of it. "gram" loses to "aten" there.
-        if any(conv["padding"]) and can_keep and _eager(x):
+        if any(conv["padding"]) and can_keep:
             return "kept"
         if _spectral_backward.supported(conv, weight) and _spectral_pays(conv, weight, x):
             return "spectral"

@@ -270,3 +270,26 @@ def _ct_bn_pool_apply_no_stats_fake(sample_sums, stats, spatial, bias, scale, bn
                                     eps, dtype):
     return _ct_bn_pool_apply_fake(sample_sums, stats, spatial, bias, scale, bn_weight, bn_bias,
                                   None, None, 0.0, eps, dtype)
+
+
+@torch.library.register_fake("fused_ops::_ct_bn_pool_kept_stats")
+def _ct_bn_pool_kept_stats_fake(x, weight, *, stride=(1, 1, 1), padding=(0, 0, 0),
+                                output_padding=(0, 0, 0), dilation=(1, 1, 1), groups=1):
+    channels, size = _validate_inputs(x, weight, None, None, None, None, None, True, 1.0,
+                                      stride, padding, output_padding, dilation, groups)
+    _runtime(x.shape[0] > 0, lambda: "_ct_bn_pool_kept_stats: x must hold at least one sample")
+    # y contiguous in x's dtype; the sums and statistics float64.
+    return (x.new_empty((x.shape[0], channels, *size)),
+            x.new_empty((x.shape[0], channels), dtype=torch.float64),
+            x.new_empty((3, channels), dtype=torch.float64))
+
+
+@torch.library.register_fake("fused_ops::_ct_bn_pool_kept_backward")
+def _ct_bn_pool_kept_backward_fake(grad_out, x, weight, bn_weight, y, sample_sums, stats, scale,
+                                   eps, *, stride, padding, output_padding, dilation, groups,
+                                   output_mask):
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    channels = y.shape[1]
+    return (x.new_empty(x.shape if output_mask[0] else (0,)),
+            weight.new_empty(weight.shape if output_mask[1] else (0,)),
+            x.new_empty((channels,), dtype=compute), x.new_empty((channels,), dtype=compute))

@@ -9,14 +9,17 @@ the op's statistics cost a convolution themselves (``sliced_conv``) or about as 
 against the unfused modules' one and one. Keeping y costs what the unfused modules keep (the
 BatchNorm's input), and the backward's field is one pass over it.
 
-ATen ops and ``ct_bn_pool_apply`` only (AOTAutograd traces them); y in x's dtype, as the
-unfused modules' convolution gives it, its statistics accumulated as the op's (float64).
+Both halves are ops of their own (``csrc/kept/kept.cpp``; opaque to AOTAutograd, with fake
+kernels): ``_ct_bn_pool_kept_stats`` forms y (TF32 off on CUDA, as the op's statistics are
+float32-exact) with its statistics, accumulated as the op's (float64), and
+``_ct_bn_pool_kept_backward`` the gradients. Written in Python, their few dozen per-channel
+ATen ops cost the small layers this route serves more host time than the convolution; y is
+contiguous, in x's dtype, as the unfused modules' convolution gives it.
 """
 import torch
 from torch import Tensor
 
 from . import _fake
-from .distributed import merge_stats
 
 
 def can_keep(call: dict) -> bool:
@@ -35,43 +38,13 @@ def _check(call: dict) -> None:
         call["groups"])
 
 
-def _conv_output(call: dict) -> Tensor:
-    """y = conv_transpose3d(x, weight), no bias (it cancels in batch statistics). On CUDA
-    with TF32 off whatever the global flags say, as the op's statistics are float32-exact
-    (``aten._convolution`` takes the flag; CUDA's dispatch keeps y only in eager, where the
-    sizes are concrete). Elsewhere ``aten.convolution``, which also takes the symbolic sizes of
-    a trace (``torch.export`` with a dynamic batch; ``aten._convolution`` refuses them in
-    torch 2.11)."""
-    args = (call["x"], call["weight"], None, call["stride"], call["padding"], call["dilation"],
-            True, call["output_padding"], call["groups"])
-    if not call["x"].is_cuda:
-        return torch.ops.aten.convolution.default(*args)
-    cudnn = torch.backends.cudnn
-    return torch.ops.aten._convolution.default(*args, cudnn.benchmark, cudnn.deterministic,
-                                               cudnn.enabled, False)
-
-
-def statistics(y: Tensor) -> tuple:
-    """(sample_sums [B, C], stats [3, C] = count, mean, M2), float64, as ``ct_bn_pool_stats``
-    returns them: each sample's mean and centred sum of squares in y's compute dtype (two
-    passes and ATen's cascade sums: no cancellation), merged as the process group's batches
-    are (``distributed.merge_stats``)."""
-    compute = torch.float64 if y.dtype == torch.float64 else torch.float32
-    per_sample = y.flatten(2).to(compute)
-    mean = per_sample.mean(2, keepdim=True)
-    m2 = (per_sample - mean).square_().sum(2)  # [B, C]
-    mean = mean.squeeze(2).double()
-    count = torch.full_like(mean, per_sample.shape[2])
-    merged = merge_stats(torch.stack([count, mean, m2.double()], dim=1))  # over [B, 3, C]
-    return mean * per_sample.shape[2], merged
-
-
 def forward(call: dict) -> tuple:
     """(out, (y, sample_sums, stats)): the op's output and running-statistics update, computed
     through y, and what the backward keeps."""
     _check(call)
-    y = _conv_output(call)
-    sums, stats = statistics(y)
+    y, sums, stats = torch.ops.fused_ops._ct_bn_pool_kept_stats(
+        call["x"], call["weight"], stride=call["stride"], padding=call["padding"],
+        output_padding=call["output_padding"], dilation=call["dilation"], groups=call["groups"])
     args = (sums, stats, y.shape[2] * y.shape[3] * y.shape[4], call["bias"], call["scale"],
             call["bn_weight"], call["bn_bias"])
     if call["running_mean"] is None:
@@ -83,8 +56,19 @@ def forward(call: dict) -> tuple:
     return out, (y, sums, stats)
 
 
-def output_gradient(y: Tensor, field: Tensor, k: Tensor, mean: Tensor) -> Tensor:
-    """dL/dy = A + K (y - mean) (docs/math.md §6.2.2) in one pass over y, in y's dtype:
-    ``field`` A [B, C], ``k`` K [C], ``mean`` y's batch mean [C]."""
-    shift = (field - k * mean).to(y.dtype)[..., None, None, None]
-    return torch.addcmul(shift, y, k.to(y.dtype).view(1, -1, 1, 1, 1))
+def backward(ctx, grad_out: Tensor, needs: dict, x: Tensor, weight: Tensor, bn_weight,
+             kept: tuple) -> dict:
+    """The gradients of x, the weight (as ``needs`` asks) and the BatchNorm's parameters from
+    dL/dy = A + K (y - mean) (docs/math.md §6.2.2) over the kept y, in the compute dtype."""
+    y, sums, stats = kept
+    c = ctx.conv
+    grad_x, grad_weight, grad_bn_weight, grad_bn_bias = torch.ops.fused_ops._ct_bn_pool_kept_backward(
+        grad_out, x, weight, bn_weight, y, sums, stats, ctx.scale, ctx.eps, stride=c["stride"],
+        padding=c["padding"], output_padding=c["output_padding"], dilation=c["dilation"],
+        groups=c["groups"], output_mask=[needs["x"], needs["weight"]])
+    grads = {"bn_weight": grad_bn_weight, "bn_bias": grad_bn_bias}
+    if needs["x"]:
+        grads["x"] = grad_x
+    if needs["weight"]:
+        grads["weight"] = grad_weight
+    return grads

@@ -155,16 +155,17 @@ def test_backward_route_follows_the_measured_rule(case):
 
 
 @pytest.mark.cuda
-def test_traced_cuda_backward_keeps_the_ops_statistics():
-    """A traced graph's convolution follows the TF32 flags of the run, so a traced CUDA call
-    does not take "kept" (its statistics would no longer be float32-exact)."""
+def test_traced_cuda_backward_keeps_the_output_too():
+    """"kept" forms y in an op of its own, with TF32 off whatever the run's flags: a traced
+    CUDA call takes it as an eager one does (its exactness under torch.compile:
+    test_compile_export.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     geometry = {"stride": [2] * 3, "padding": [1] * 3, "output_padding": [0] * 3,
                 "dilation": [1] * 3, "groups": 1}
     with FakeTensorMode():
         x = torch.empty(8, 64, 16, 16, 16, device="cuda")
         weight = torch.empty(64, 32, 4, 4, 4, device="cuda")
-        assert fused_ops._backward_routes.chosen(geometry, weight, x, True) == "aten"
+        assert fused_ops._backward_routes.chosen(geometry, weight, x, True) == "kept"
 
 
 # --- The testing hook --------------------------------------------------------------------------
