@@ -277,8 +277,9 @@ def test_compiled_module_with_parameters_requiring_grad_trains(training, device)
 @pytest.mark.cuda
 def test_compiled_cuda_training_step_is_float32_exact_with_tf32_on():
     """"kept" (a padded CUDA problem) under torch.compile: its op forms the convolution output
-    with TF32 off whatever the run's flags, so the compiled step's output, running statistics
-    and gradients stay float32-exact with PyTorch's TF32 convolution default on."""
+    with TF32 off whatever the run's flags, so the compiled step's output and running
+    statistics stay float32-exact with PyTorch's TF32 convolution default on. The backward's
+    convolution follows the flags, as PyTorch's own does (test_gradients): TF32's rounding."""
     reference, module = twin_modules(COMPILE_PROBLEM, torch.float64, "cuda", True)
     module.float()
     x = torch.randn(4, *make_input(COMPILE_PROBLEM).shape[1:], dtype=torch.float64, device="cuda")
@@ -289,7 +290,7 @@ def test_compiled_cuda_training_step_is_float32_exact_with_tf32_on():
                                   grad_out.float())
     want_out, want_grads = run_backward(reference, x, grad_out)
     assert relerr(out, want_out) <= TOL[torch.float32]
-    assert_gradients_match(grads, want_grads, 1e-5)
+    assert_gradients_match(grads, want_grads, 1e-2)
     for name in ("running_mean", "running_var"):
         assert relerr(getattr(module.batch_norm, name),
                       getattr(reference.batch_norm, name)) <= TOL[torch.float32], name
