@@ -23,9 +23,11 @@ from . import _fake
 
 
 def can_keep(call: dict) -> bool:
-    """Only ``algo="auto"`` (a forced algorithm computes the statistics its way) and a
-    non-empty batch (the op's own empty-batch semantics)."""
-    return call["algo"] == "auto" and call["x"].shape[0] > 0
+    """Only ``algo="auto"`` (a forced algorithm computes the statistics its way), 5-D x and
+    weight (the route is chosen from their sizes; other ranks are the op's to refuse, with its
+    message) and a non-empty batch (the op's own empty-batch semantics)."""
+    x, weight = call["x"], call["weight"]
+    return call["algo"] == "auto" and x.dim() == 5 and weight.dim() == 5 and x.shape[0] > 0
 
 
 def _check(call: dict) -> None:
