@@ -174,13 +174,14 @@ void differentiable_below_autograd(const c10::OperatorHandle& op, torch::jit::St
 // _ct_bn_pool_differentiable, which ct_bn_pool's Autograd kernel calls when a gradient can flow.
 // The two halves of the synchronized training step have no backward: one through
 // ct_bn_pool_stats raises, naming the op, instead of returning wrong gradients (as one through
-// the kept route's two ops, which only the formula calls); ct_bn_pool_apply, which writes the running stats, refuses inputs requiring grad at the
-// call, and its writes bump the versions.
+// the kept route's two ops, which only the formula calls); ct_bn_pool_apply, which writes the
+// running stats, refuses inputs requiring grad at the call, and its writes bump the versions.
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
   for (const char* op : {"ct_bn_pool", "ct_bn_pool.no_stats"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&ct_bn_pool_autograd>());
   }
-  for (const char* op : {"ct_bn_pool_stats", "_ct_bn_pool_kept_stats", "_ct_bn_pool_kept_backward"}) {
+  for (const char* op :
+       {"ct_bn_pool_stats", "_ct_bn_pool_kept_stats", "_ct_bn_pool_kept_backward"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
   for (const char* op : {"ct_bn_pool_apply", "ct_bn_pool_apply.no_stats"}) {

@@ -64,7 +64,8 @@ def backward(ctx, grad_out: Tensor, needs: dict, x: Tensor, weight: Tensor, bn_w
     dL/dy = A + K (y - mean) (docs/math.md §6.2.2) over the kept y, in the compute dtype."""
     y, sums, stats = kept
     c = ctx.conv
-    grad_x, grad_weight, grad_bn_weight, grad_bn_bias = torch.ops.fused_ops._ct_bn_pool_kept_backward(
+    kept_backward = torch.ops.fused_ops._ct_bn_pool_kept_backward
+    grad_x, grad_weight, grad_bn_weight, grad_bn_bias = kept_backward(
         grad_out, x, weight, bn_weight, y, sums, stats, ctx.scale, ctx.eps, stride=c["stride"],
         padding=c["padding"], output_padding=c["output_padding"], dilation=c["dilation"],
         groups=c["groups"], output_mask=[needs["x"], needs["weight"]])

@@ -18,13 +18,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_stats_forward(
                                          /*eps=*/1.0, stride, padding, output_padding, dilation,
                                          groups);
   TORCH_CHECK(g.batch > 0, "_ct_bn_pool_kept_stats: x must hold at least one sample");
-  // TF32 off whatever the global flags say: the statistics are float32-exact, as the op's.
+  // TF32 off whatever the global flags say: the statistics are float32-exact, as the op's. y
+  // contiguous whatever layout the backend chose: what the fake kernel states.
   const auto& ctx = at::globalContext();
   at::Tensor y = at::_convolution(x, weight, {}, stride, padding, dilation, /*transposed=*/true,
                                   output_padding, groups, ctx.benchmarkCuDNN(),
                                   ctx.deterministicCuDNN(), ctx.userEnabledCuDNN(),
                                   /*allow_tf32=*/false)
-                     .contiguous();  // whatever layout the backend chose: what the fake kernel states
+                     .contiguous();
   // Each sample's mean and centred sum of squares in y's compute dtype (two passes over y, no
   // cancellation); the finalize merges them over the batch as the op's statistics are merged.
   const at::Tensor per_sample = y.flatten(2).to(compute_dtype(y.scalar_type()));
@@ -58,7 +59,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_backw
   at::Tensor grad_bn_weight = (g * zbar).sum(0);
   at::Tensor grad_x, grad_weight;
   if (output_mask[0] || output_mask[1]) {
-    // dL/dy = A + K (y - mean) (§6.2.2): A = coef (g - mean_b g), K = -coef mean_b(g zbar) dzhat/dy.
+    // dL/dy = A + K (y - mean) (§6.2.2): A = coef (g - mean_b g),
+    // K = -coef mean_b(g zbar) dzhat/dy.
     const at::Tensor z_unit_c = z_unit.to(compute);
     const at::Tensor gain = bn_weight.has_value() && bn_weight->defined()
                                 ? bn_weight->to(compute) * z_unit_c : z_unit_c;
