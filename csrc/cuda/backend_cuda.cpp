@@ -53,7 +53,7 @@ SampleSumTensors sample_sums_any_layout_cuda(const at::Tensor& x, const at::Tens
 }
 
 // Eval mode reads x alone and leaves the weight sums to the finalize, which reads the weight
-// while x streams (docs/dispatch.md, "Kernel routes"; scripts/eval_variants.cu at tag lab-notebook, V5), where:
+// while x streams (docs/dispatch.md, "Kernel routes"; scripts/eval_variants.cu at f692131, V5), where:
 // the positions are adjacent (the other layouts keep their kernels), the finalize overlaps the
 // x pass (PDL, sm_90+; without it the weight would be read after x), and one channel's weight
 // sums fit its shared memory. Elsewhere: the training path's sums.

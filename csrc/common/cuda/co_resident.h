@@ -2,7 +2,7 @@
 // Sizing a persistent grid so that the kernel launched after it with programmatic
 // dependent launch (pdl.cuh) finds room on every SM from the start: eval mode's x
 // pass leaves one finalize block per SM, which then reads the weight while x
-// streams (docs/dispatch.md, "Kernel routes"; scripts/eval_variants.cu at tag lab-notebook, V2/V5).
+// streams (docs/dispatch.md, "Kernel routes"; scripts/eval_variants.cu at f692131, V2/V5).
 #include <cstdint>
 
 namespace fused_ops {

@@ -44,7 +44,7 @@ __device__ __forceinline__ float2 narrow_to(double2 v, float2) {
 // them with DRAM far from busy (ncu, docs/performance.md). Deeper prefetching, several threads per
 // column, Q transposed or in blocks of columns and the float64 tensor cores do no better on the
 // seed shape; only a kernel compiled for the exact shape is faster
-// (scripts/lag_stage_variants.cu at tag lab-notebook). The coefficients are real, so each
+// (scripts/lag_stage_variants.cu at f692131). The coefficients are real, so each
 // product is two DFMAs.
 template <typename C>
 constexpr int kAhead = 32 / sizeof(C);

@@ -1,5 +1,5 @@
 // Eval mode's finalize when the x pass left the weight sums to it (eval_x_sums.cu;
-// docs/math.md §2.1, §4; docs/dispatch.md, "Kernel routes"; the lab-notebook tag's scripts/eval_variants.cu's V5).
+// docs/math.md §2.1, §4; docs/dispatch.md, "Kernel routes"; V5 of scripts/eval_variants.cu at f692131).
 // One block per output channel c, launched overlapping the x pass (pdl.cuh) on the room that
 // pass leaves on every SM. Before pdl_wait it reads only what the x pass does not write: it
 // sums its channel's weight column W[ci, c] (ci in c's group) into shared memory, one copy per
@@ -24,7 +24,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // 64 registers: a block fits beside 4 x-pass blocks of 48 (eval_x_sums.cu). The
-// microbenchmark's V2/V5 (the lab-notebook tag's scripts/eval_variants.cu) split the SM as 4 x blocks of 56 and a
+// microbenchmark's V2/V5 (scripts/eval_variants.cu at f692131) split the SM as 4 x blocks of 56 and a
 // finalize of 32, which this general-shape kernel cannot live with (it spills, or leaves the
 // tail's loads in two rounds).
 constexpr int kMinBlocksPerSm = 4;

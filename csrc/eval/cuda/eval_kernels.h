@@ -14,7 +14,7 @@ namespace fused_ops {
 // group there (J >= 1): a larger group takes the training path's sums and finalize.
 constexpr int64_t kMaxEvalTerms = 1024;
 
-// Eval mode (docs/dispatch.md, "Kernel routes"; scripts/eval_variants.cu at tag lab-notebook, V5): the x sums
+// Eval mode (docs/dispatch.md, "Kernel routes"; scripts/eval_variants.cu at f692131, V5): the x sums
 // alone, from x whose positions are adjacent (layout.position 1, or one position), in a
 // persistent launch that leaves one block of `finalize` room on every SM; J <= kMaxEvalTerms /
 // in_group_channels. w_red is left undefined: eval_finalize_cuda sums the weight while the x

@@ -2,7 +2,7 @@
 // W and nothing else, for x whose positions are adjacent in memory (sums_kernels.h). The
 // weight sums are left to the finalize (eval_finalize.cu), which reads the weight
 // before its pdl_wait while this pass runs: that keeps the weight off the critical
-// path (docs/dispatch.md, "Kernel routes"; the lab-notebook tag's scripts/eval_variants.cu's V2/V5).
+// path (docs/dispatch.md, "Kernel routes"; V2/V5 of scripts/eval_variants.cu at f692131).
 // Persistent blocks: the grid is what fits beside one finalize block per SM
 // (co_resident.h), and the blocks take items (parts of rows) round robin.
 #include <ATen/cuda/CUDAContext.h>
@@ -45,7 +45,7 @@ struct XPassPlan {
 // itself ptxas starts adding the first vectors before it issues the last loads (fewer
 // registers, about half the loads in flight); making every vector depend on all of
 // them (their last words ANDed with `zero`, a runtime 0, XORed into the others) keeps
-// all kUnroll in flight (the lab-notebook tag's scripts/eval_variants.cu's "forced" loads).
+// all kUnroll in flight (the "forced" loads of scripts/eval_variants.cu at f692131).
 template <typename scalar_t>
 __device__ double vector_partial(const uint4* __restrict__ p, int64_t begin, int64_t end,
                                  unsigned zero) {
@@ -100,7 +100,7 @@ __global__ void FO_X_PASS_BOUNDS spatial_sum_x_kernel(const scalar_t* __restrict
 }
 
 // Parts of whole rounds of loads (kThreads * kUnroll vectors; the seed problem gets
-// 2 per row, as the lab-notebook tag's scripts/eval_variants.cu's V2), enough items for kItemsPerBlock per block,
+// 2 per row, as V2 of scripts/eval_variants.cu at f692131), enough items for kItemsPerBlock per block,
 // at most kMaxEvalTerms / Cig parts (the finalize holds a weight sum per term; its
 // tail after pdl_wait reads all Cig * J x sums of each sample).
 XPassPlan plan_items(const at::Tensor& x, const SampleLayout& layout, int64_t vec,
