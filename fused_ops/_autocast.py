@@ -21,18 +21,36 @@ def _cast(t, device_type, dtype):
     return t
 
 
+def _autocast_call(fn, device_type, x, weight, bias, *args, **kwargs):
+    """fn on x, the weight and the conv bias cast as autocast casts a convolution's inputs, its
+    output in the dtype of the unfused chain's; autocast itself kept off inside by the caller."""
+    dtype = torch.get_autocast_dtype(device_type)
+    out = fn(_cast(x, device_type, dtype), _cast(weight, device_type, dtype),
+             _cast(bias, device_type, dtype), *args, **kwargs)
+    wanted = _OUTPUT_DTYPE[device_type]
+    return out if wanted is None or x.dtype == torch.float64 else out.to(wanted)
+
+
 def _kernel(op, device_type):
     key = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _KEYS[device_type]))
 
-    def autocast_kernel(x, weight, bias, *args, **kwargs):
-        dtype = torch.get_autocast_dtype(device_type)
+    def autocast_kernel(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(key):
-            out = op(_cast(x, device_type, dtype), _cast(weight, device_type, dtype),
-                     _cast(bias, device_type, dtype), *args, **kwargs)
-        wanted = _OUTPUT_DTYPE[device_type]
-        return out if wanted is None or x.dtype == torch.float64 else out.to(wanted)
+            return _autocast_call(op, device_type, *args, **kwargs)
 
     return autocast_kernel
+
+
+def as_under_autocast(fn, x, weight, bias, *args, **kwargs):
+    """fn(x, weight, bias, ...) as the op's autocast kernel runs the op, where autocast is on
+    for x's device; as it is elsewhere. For the synchronized path (fused_ops/distributed.py),
+    which calls the split ops from Python: ct_bn_pool_apply never sees x (the output dtype is
+    its argument), so the casts come before the split, here."""
+    device_type = x.device.type
+    if device_type not in _KEYS or not torch.is_autocast_enabled(device_type):
+        return fn(x, weight, bias, *args, **kwargs)
+    with torch.autocast(device_type, enabled=False):
+        return _autocast_call(fn, device_type, x, weight, bias, *args, **kwargs)
 
 
 for _device_type, _key in _KEYS.items():

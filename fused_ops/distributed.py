@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._autocast import as_under_autocast
+
 # The differentiable arguments of synced_ct_bn_pool, in order, and its convolution options.
 _DIFFERENTIABLE = ("x", "weight", "bias", "bn_weight", "bn_bias")
 _CONV = ("stride", "padding", "output_padding", "dilation", "groups")
@@ -118,6 +120,15 @@ def synced_ct_bn_pool(x, weight, bias, scale, bn_weight, bn_bias, running_mean, 
     backward is a collective too (one all-reduce when x's or the weight's gradient is
     needed), so every rank must run it.
     """
+    return as_under_autocast(_synced_ct_bn_pool, x, weight, bias, scale, bn_weight, bn_bias,
+                             running_mean, running_var, momentum, eps, stride=stride,
+                             padding=padding, output_padding=output_padding, dilation=dilation,
+                             groups=groups, algo=algo, process_group=process_group)
+
+
+def _synced_ct_bn_pool(x, weight, bias, scale, bn_weight, bn_bias, running_mean, running_var,
+                       momentum, eps, *, stride, padding, output_padding, dilation, groups, algo,
+                       process_group) -> Tensor:
     # Imported here: _autograd imports this module.
     from ._autograd import _reject_grad_on_running_stats, _requires_grad
     call = dict(scale=scale, running_mean=running_mean, running_var=running_var,

@@ -19,8 +19,8 @@ from torch import nn
 
 import fused_ops
 import fused_ops.testing
-from conftest import (GRAD_TOL, HALF_TYPES, OUT_TOL, Problem, assert_gradients_match,
-                      make_dtype_models, make_models, relerr)
+from conftest import (DEVICES, GRAD_TOL, HALF_TYPES, OUT_TOL, Problem,
+                      assert_gradients_match, make_dtype_models, make_models, relerr)
 from fused_ops import distributed
 from fused_ops.fusion import _FusedChain
 from fused_ops.modules import conv_transpose_options
@@ -276,6 +276,40 @@ def test_synced_backward_for_a_group_of_one_matches_float64(dtypes, monkeypatch)
     assert_gradients_match(got, want, GRAD_TOL[conv_dtype])
     assert not fused.conv_transpose.bias.grad.any()  # the batch mean removes the bias
     assert reduced == [(2, P_OPTS.out_channels)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", HALF_TYPES, ids=str)
+def test_synced_step_under_autocast_casts_as_the_op(device, dtype, monkeypatch):
+    """The synced path calls the split ops from Python, which have no autocast kernels: under
+    torch.autocast it casts x, the weight and the conv bias itself, as the op's autocast kernel
+    does (fused_ops/_autocast.py). Output, gradients and running statistics equal those of the
+    same path on inputs cast by hand with autocast off, in the dtype of the unfused chain's
+    output under autocast (the collectives simulated for a group of one)."""
+    _simulate_group_of_one(monkeypatch)
+    ref, fused = make_models(P_OPTS, torch.float32, device)
+    ref = ref.float().to(device)
+    twin = copy.deepcopy(fused)
+    x = global_input(P_OPTS, [3], 0, torch.float32).to(device)
+
+    def step(m, x, cast):
+        c, bn = m.conv_transpose, m.batch_norm
+        out = distributed.synced_ct_bn_pool(
+            cast(x), cast(c.weight), cast(c.bias), P_OPTS.scale, bn.weight, bn.bias,
+            bn.running_mean, bn.running_var, 0.1, bn.eps, algo="auto", process_group="group",
+            **conv_options(c))
+        return out, torch.autograd.grad((out.float() ** 2).sum(), (x, c.weight, bn.weight))
+
+    with torch.autocast(device, dtype=dtype):
+        chain_dtype = ref.train()(x).dtype
+        out, grads = step(fused, x.clone().requires_grad_(), lambda t: t)
+    want, want_grads = step(twin, x.clone().requires_grad_(), lambda t: t.to(dtype))
+    assert out.dtype == chain_dtype
+    assert torch.equal(out, want.to(chain_dtype))
+    for got, expected in zip(grads, want_grads):
+        assert torch.equal(got, expected)
+    for name in ("running_mean", "running_var"):
+        assert torch.equal(getattr(fused.batch_norm, name), getattr(twin.batch_norm, name))
 
 
 # Problems of the backward's conv-free routes (docs/dispatch.md): P is stride 1 without
