@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 from . import _backward_routes, _box_sums, _gram_backward, _kept_output, _spectral_backward
+from ._fake import compute_dtype
 from .distributed import out_size
 
 _LIB = torch.library.Library("fused_ops", "IMPL")  # kept alive: registrations live as long as it
@@ -144,12 +145,6 @@ def _in_input_dtypes(grads: dict, needs: dict, dtypes: dict) -> dict:
     return {n: grad.to(dtypes[n]) for n, grad in grads.items() if needs.get(n) and grad is not None}
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the small (per-channel, weight-sized) algebra for inputs of `dtype`:
-    float32 for float16 and bfloat16, as in the forward."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _per_weight(per_channel: Tensor, weight: Tensor, groups: int) -> Tensor:
     """A per-output-channel [C_out] vector laid out like weight [C_in, C_out/G, 1, 1, 1]."""
     c_in, c_out_group = weight.shape[:2]
@@ -193,7 +188,7 @@ def _input_gradient_taps(gk: Tensor, weight: Tensor, groups: int) -> Tensor:
 def _eval_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, running_mean, running_var):
     """docs/math.md §6.1: the gradient wrt y is constant over positions, per (b, c), so x's
     and the weight's come from x's box sums per tap and their transpose, no convolution."""
-    compute, groups = _compute_dtype(x.dtype), ctx.conv["groups"]
+    compute, groups = compute_dtype(x.dtype), ctx.conv["groups"]
     g = grad_out.flatten(1).to(compute)  # [B, C]
     size = out_size(x, weight, ctx.conv["stride"], ctx.conv["padding"],
                     ctx.conv["output_padding"], ctx.conv["dilation"])
@@ -251,7 +246,7 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
     if route == "kept":  # only a process's own batch keeps y
         grads.update(_kept_output.backward(ctx, grad_out, needs, x, weight, bn_weight, kept))
         return grads
-    g_sum = grad_out.to(_compute_dtype(x.dtype)).sum(0).flatten()  # sum_b g
+    g_sum = grad_out.to(compute_dtype(x.dtype)).sum(0).flatten()  # sum_b g
     grads["bn_bias"] = g_sum
     if route == "aten":
         grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum,
@@ -282,7 +277,7 @@ def _affine_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g_su
     """§6.2.2–§6.2.3: the gradients of :func:`_normalized_output_grads` from
     dL/dy = A + K (y - mean), a constant field and a K part, without the convolution output
     (``route`` "spectral" or "gram"; "kept", §6.2.4, is ``_kept_output.backward``)."""
-    compute, c = _compute_dtype(x.dtype), ctx.conv
+    compute, c = compute_dtype(x.dtype), ctx.conv
     groups = c["groups"]
     # The sums and statistics of y (without bias), float64: [B, C] and [3, C].
     sums, own = torch.ops.fused_ops.ct_bn_pool_stats(
@@ -336,7 +331,7 @@ def _normalized_conv_output(ctx, x, weight, stats=None):
     # The conv bias shifts z and its batch mean alike: it cancels, and is left out.
     y = torch.ops.aten.convolution.default(x, weight, None, c["stride"], c["padding"],
                                            c["dilation"], True, c["output_padding"], c["groups"])
-    compute = _compute_dtype(y.dtype)
+    compute = compute_dtype(y.dtype)
     if stats is None:
         var, mean = torch.var_mean(y, dim=(0, 2, 3, 4), correction=0, keepdim=True)
     else:

@@ -19,6 +19,14 @@ import torch
 
 _ALGOS = ("auto", "fft", "direct", "sliced_conv", "correlation", "cross_spectrum", "border")
 _CONV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the small (per-channel, weight-sized) algebra for inputs of `dtype`, as
+    csrc's compute_dtype: float32 for float16 and bfloat16."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # c10::toString's names for the dtypes the messages may name (csrc/message.h's to_str).
 _C10_NAMES = {torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int",
               torch.int64: "Long", torch.bool: "Bool", torch.complex32: "ComplexHalf",
@@ -288,7 +296,7 @@ def _ct_bn_pool_kept_stats_fake(x, weight, *, stride=(1, 1, 1), padding=(0, 0, 0
 def _ct_bn_pool_kept_backward_fake(grad_out, x, weight, bn_weight, y, sample_sums, stats, scale,
                                    eps, *, stride, padding, output_padding, dilation, groups,
                                    output_mask):
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    compute = compute_dtype(x.dtype)
     channels = y.shape[1]
     return (x.new_empty(x.shape if output_mask[0] else (0,)),
             weight.new_empty(weight.shape if output_mask[1] else (0,)),
