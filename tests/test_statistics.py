@@ -34,6 +34,11 @@ FLOAT64_ON_CPU = {"direct", "correlation"}
 STATS_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 STATS_PROBLEMS = SPECIAL + [
     Problem(2, 5, 7, (4, 5, 6), (3, 3, 3), conv_kwargs=dict(padding=(1, 2, 0), stride=(2, 1, 1))),
+    # One tap per output position (correlation's single lag, docs/math.md §3.4): kernel =
+    # stride with groups; a dilated tap inside a larger stride, with output padding.
+    Problem(2, 6, 4, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(stride=2, groups=2)),
+    Problem(3, 4, 5, (3, 4, 5), (2, 1, 2), conv_kwargs=dict(
+        stride=(3, 2, 2), dilation=(2, 1, 1), output_padding=(1, 0, 1))),
 ]
 
 

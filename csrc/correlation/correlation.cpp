@@ -92,6 +92,20 @@ at::Tensor sum_of_squares(const at::Tensor& r, const at::Tensor& stack, const La
   return total.view({groups, phases, cog}).sum(1);
 }
 
+// With one lag (every phase's sub-kernel a single tap, e.g. kernel = stride) T is R itself and
+// each tap its own phase: the sum of squares is sum_t w_t^T R w_t over taps and channels, two
+// GEMMs with no gathers, padding or index tensors (each of those is an op of host time, and
+// this case is the decoders' upsampling at small sizes). R as the samples' Gram matrices
+// summed: x needs no permuted copy. [G Cog] double.
+at::Tensor single_lag_sum_of_squares(const at::Tensor& x, const at::Tensor& weight,
+                                     const ConvGeometry& g) {
+  const int64_t groups = g.groups, cig = g.in_group_channels();
+  const at::Tensor xs = x.to(at::kDouble).reshape({g.batch * groups, cig, g.in_spatial()});
+  const at::Tensor r = at::bmm(xs, xs.transpose(1, 2)).view({g.batch, groups, cig, cig}).sum(0);
+  const at::Tensor w = weight.to(at::kDouble).reshape({groups, cig, -1});  // [G, Cig, Cog T]
+  return at::bmm(r, w).mul_(w).sum(1).view({g.out_channels, g.taps()}).sum(1);
+}
+
 }  // namespace
 
 double correlation_cost_ratio(const ConvGeometry& g) {
@@ -115,15 +129,19 @@ at::Tensor energy_correlation(const at::Tensor& x, const at::Tensor& weight,
                               const SampleSumTensors& sums, const ConvGeometry& g) {
   const ConvGeometry sub = phase_geometry(g);
   const Lags lags(sub);
-  const at::Tensor slots = tap_slots(g, sub, weight.options().dtype(at::kLong));
-  const int64_t cig = g.in_group_channels(), cog = g.out_group_channels();
-  const at::Tensor stack = phase_stack(weight, g, sub, slots)  // [P, G, Cig, Cog, K']
-                               .view({g.groups, cig, cog, phase_count(g), sub.taps()})
-                               .permute({3, 0, 1, 2, 4});
-  const at::Tensor squares =
-      sum_of_squares(cross_correlation(x, g, lags), stack, lags, sub.kernel);
+  at::Tensor squares;
+  if (lags.count() == 1) {
+    squares = single_lag_sum_of_squares(x, weight, g);
+  } else {
+    const at::Tensor slots = tap_slots(g, sub, weight.options().dtype(at::kLong));
+    const int64_t cig = g.in_group_channels(), cog = g.out_group_channels();
+    const at::Tensor stack = phase_stack(weight, g, sub, slots)  // [P, G, Cig, Cog, K']
+                                 .view({g.groups, cig, cog, phase_count(g), sub.taps()})
+                                 .permute({3, 0, 1, 2, 4});
+    squares = sum_of_squares(cross_correlation(x, g, lags), stack, lags, sub.kernel);
+  }
   // Centred on each sample's mean S / M over the real output, in float64 (§3.4).
-  const at::Tensor s = phase_sample_sums(weight, sums, g, sub, slots).sum(2);  // [B, Co]
+  const at::Tensor s = sample_conv_sums(sums, g);  // [B, Co]
   const double m = static_cast<double>(g.out_spatial());
   return squares.view({g.out_channels}).sub(s.square().sum(0).div_(m)).view({1, g.out_channels, 1});
 }
