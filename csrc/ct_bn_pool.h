@@ -112,13 +112,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_stats_forward(
 
 // _ct_bn_pool_kept_backward: the gradients of x and the weight (where output_mask asks; empty
 // otherwise), of the BatchNorm weight and of its bias (compute dtype) from the kept y, its
-// sample sums and statistics (docs/math.md §6.2.4).
+// sample sums and statistics (docs/math.md §6.2.4), or without y from the sums and statistics
+// alone where one tap reaches each output position (gram_gradients).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_backward(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-    const c10::optional<at::Tensor>& bn_weight, const at::Tensor& y, const at::Tensor& sample_sums,
-    const at::Tensor& stats, double scale, double eps, at::IntArrayRef stride,
-    at::IntArrayRef padding, at::IntArrayRef output_padding, at::IntArrayRef dilation,
-    int64_t groups, std::array<bool, 2> output_mask);
+    const c10::optional<at::Tensor>& bn_weight, const c10::optional<at::Tensor>& y,
+    const at::Tensor& sample_sums, const at::Tensor& stats, double scale, double eps,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef output_padding,
+    at::IntArrayRef dilation, int64_t groups, std::array<bool, 2> output_mask);
+
+// Padding 0 and dilation (k - 1) < stride in every dim: no two (input position, tap) pairs
+// land on one output position (docs/math.md §6.2.3).
+bool one_tap_per_position(const at::Tensor& weight, at::IntArrayRef stride, at::IntArrayRef padding,
+                          at::IntArrayRef dilation);
+// (x's gradient, the weight's; undefined where output_mask declines) of
+// dL/dy = field[b, c] + k[c] (y - mean[c]) where one_tap_per_position, in x's and the
+// weight's dtypes (csrc/gram/gram.cpp).
+std::tuple<at::Tensor, at::Tensor> gram_gradients(const at::Tensor& field, const at::Tensor& k,
+                                                  const at::Tensor& mean, const at::Tensor& x,
+                                                  const at::Tensor& weight, int64_t groups,
+                                                  std::array<bool, 2> output_mask);
 
 // The ops' kernels on one device: what TORCH_LIBRARY_IMPL registers.
 template <const Backend& backend>

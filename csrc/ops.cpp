@@ -65,15 +65,16 @@ TORCH_LIBRARY(fused_ops, m) {
       "float scale, Tensor? bn_weight, Tensor? bn_bias, float eps, ScalarType dtype) -> Tensor");
   // Training mode's "kept" route (fused_ops/_kept_output.py, docs/math.md §6.2.4): the
   // convolution output y with the statistics ct_bn_pool_stats gives, and the backward from the
-  // kept y (output_mask: the gradients of x and the weight wanted). Called by ct_bn_pool's
-  // autograd formula; no autograd of their own.
+  // kept y, or without y from the statistics where one tap reaches each output position
+  // (output_mask: the gradients of x and the weight wanted). Called by ct_bn_pool's autograd
+  // formula; no autograd of their own.
   m.def(
       "_ct_bn_pool_kept_stats(Tensor x, Tensor weight, *, int[3] stride=1, int[3] padding=0, "
       "int[3] output_padding=0, int[3] dilation=1, int groups=1) "
       "-> (Tensor y, Tensor sample_sums, Tensor stats)");
   m.def(
       "_ct_bn_pool_kept_backward(Tensor grad_out, Tensor x, Tensor weight, Tensor? bn_weight, "
-      "Tensor y, Tensor sample_sums, Tensor stats, float scale, float eps, *, int[3] stride, "
+      "Tensor? y, Tensor sample_sums, Tensor stats, float scale, float eps, *, int[3] stride, "
       "int[3] padding, int[3] output_padding, int[3] dilation, int groups, bool[2] output_mask) "
       "-> (Tensor grad_x, Tensor grad_weight, Tensor grad_bn_weight, Tensor grad_bn_bias)");
   // ct_bn_pool as its autograd formula sees it: the Autograd kernel of ct_bn_pool calls these

@@ -109,9 +109,12 @@ class _CtBnPoolBackward(torch.autograd.Function):
             args = (*args[:_RUNNING_MEAN], *eval_stats, *args[_RUNNING_VAR + 1:])
         ctx.conv = {k: call[k] for k in ("stride", "padding", "output_padding", "dilation",
                                          "groups")}
-        if (training and _kept_output.can_keep(call)
-                and _backward_routes.keeps(ctx.conv, call["weight"], call["x"])):
+        keep = (_backward_routes.keeps(ctx.conv, call["weight"], call["x"])
+                if training and _kept_output.can_keep(call) else None)
+        if keep == "output":
             out, kept = _kept_output.forward(call)
+        elif keep == "statistics":
+            out, kept = _kept_output.forward_statistics(call)
         else:
             # Training normalizes with batch statistics: the backward recomputes them from the
             # inputs (the running statistics have been overwritten by then).
@@ -242,8 +245,9 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
         # weight.
         if torch.is_grad_enabled():
             kept = ()
-        route = _backward_routes.chosen(ctx.conv, weight, x, can_keep=bool(kept))
-    if route == "kept":  # only a process's own batch keeps y
+        route = _backward_routes.chosen(ctx.conv, weight, x, can_keep=len(kept) == 3)
+    # Only a process's own batch keeps y or its statistics; "gram" from them runs in C++.
+    if route == "kept" or (route == "gram" and len(kept) == 2):
         grads.update(_kept_output.backward(ctx, grad_out, needs, x, weight, bn_weight, kept))
         return grads
     g_sum = grad_out.to(compute_dtype(x.dtype)).sum(0).flatten()  # sum_b g
@@ -252,8 +256,9 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
         grads.update(_normalized_output_grads(ctx, grad_out, needs, x, weight, bn_weight, g_sum,
                                               stats, all_reduce))
     elif route is not None:
+        own = kept if len(kept) == 2 else None  # the forward's (sums, statistics)
         grads.update(_affine_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight,
-                                          g_sum, stats, all_reduce))
+                                          g_sum, stats, all_reduce, own))
     return grads
 
 
@@ -273,14 +278,15 @@ def _z_unit(ctx, var: Tensor) -> Tensor:
 
 
 def _affine_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g_sum,
-                         stats=None, all_reduce=None):
+                         stats=None, all_reduce=None, kept=None):
     """§6.2.2–§6.2.3: the gradients of :func:`_normalized_output_grads` from
     dL/dy = A + K (y - mean), a constant field and a K part, without the convolution output
-    (``route`` "spectral" or "gram"; "kept", §6.2.4, is ``_kept_output.backward``)."""
+    (``route`` "spectral" or "gram"; "kept", §6.2.4, is ``_kept_output.backward``).
+    ``kept``: the forward's (sums, statistics) of x's batch, else computed here."""
     compute, c = compute_dtype(x.dtype), ctx.conv
     groups = c["groups"]
     # The sums and statistics of y (without bias), float64: [B, C] and [3, C].
-    sums, own = torch.ops.fused_ops.ct_bn_pool_stats(
+    sums, own = kept if kept is not None else torch.ops.fused_ops.ct_bn_pool_stats(
         x, weight, stride=c["stride"], padding=c["padding"],
         output_padding=c["output_padding"], dilation=c["dilation"], groups=groups)
     count, mean, m2 = (own if stats is None else stats).unbind(0)

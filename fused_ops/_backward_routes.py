@@ -53,11 +53,14 @@ def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False) -> str
     if weight.is_cuda:
         # With padding the op's own statistics (border, direct, sliced_conv) cost more than
         # the convolution that "kept" adds to the forward and spares the backward; without,
-        # they cost a fraction of it. "gram" loses to "aten" there.
+        # they cost a fraction of it.
         if any(conv["padding"]) and can_keep:
             return "kept"
         if _spectral_backward.supported(conv, weight) and _spectral_pays(conv, weight, x):
             return "spectral"
+        if _gram_backward.supported(conv, weight) and _gram_backward.pays_on_cuda(
+                weight, x, conv["groups"]):
+            return "gram"
         return "aten"
     # The CPU: the forward's statistics cost a convolution there, so keeping its output
     # spares the backward's; "gram" beats that where x's Gram matrix is small against the
@@ -67,9 +70,12 @@ def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False) -> str
     return "kept" if can_keep else "aten"
 
 
-def keeps(conv: dict, weight: Tensor, x: Tensor) -> bool:
-    """Whether a forward that can keep the convolution output should, for the route its
-    backward will take: the rule of :func:`chosen`, checked by it again in the backward."""
-    if ROUTE != "auto":
-        return ROUTE == "kept"
-    return chosen(conv, weight, x, can_keep=True) == "kept"
+def keeps(conv: dict, weight: Tensor, x: Tensor):
+    """What a forward that can keep something for its backward should keep, for the route the
+    backward will take (the rule of :func:`chosen`, checked by it again in the backward):
+    "output" (y, for "kept"), "statistics" (the batch's sums and statistics, which the
+    conv-free routes read) or None ("aten" recomputes y and its statistics together)."""
+    route = ROUTE if ROUTE != "auto" else chosen(conv, weight, x, can_keep=True)
+    if route == "kept":
+        return "output"
+    return "statistics" if route in _COVERS else None

@@ -296,8 +296,13 @@ def _ct_bn_pool_kept_stats_fake(x, weight, *, stride=(1, 1, 1), padding=(0, 0, 0
 def _ct_bn_pool_kept_backward_fake(grad_out, x, weight, bn_weight, y, sample_sums, stats, scale,
                                    eps, *, stride, padding, output_padding, dilation, groups,
                                    output_mask):
+    _runtime(y is not None or all(
+        p == 0 and d * (k - 1) < s
+        for p, d, k, s in zip(padding, dilation, weight.shape[2:], stride)),
+        lambda: "_ct_bn_pool_kept_backward: without y the backward needs padding 0 and one tap "
+                "per output position (dilation (k - 1) < stride in every dim)")
     compute = compute_dtype(x.dtype)
-    channels = y.shape[1]
+    channels = stats.shape[1]
     return (x.new_empty(x.shape if output_mask[0] else (0,)),
             weight.new_empty(weight.shape if output_mask[1] else (0,)),
             x.new_empty((channels,), dtype=compute), x.new_empty((channels,), dtype=compute))

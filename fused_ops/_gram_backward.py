@@ -1,6 +1,9 @@
 """Training mode's backward without the convolution output where each output position is
 reached by at most one tap: padding 0 and ``dilation (k - 1) < stride`` in every dimension,
-kernel = stride upsampling among them (docs/math.md §6.2.3).
+kernel = stride upsampling among them (docs/math.md §6.2.3). Where the forward kept the
+batch's statistics the route runs in C++ (``_ct_bn_pool_kept_backward`` without y,
+``csrc/gram/gram.cpp``); ``k_part`` here is its differentiable form, for a double backward and
+for synchronized statistics.
 
 There a tap t and an input position i name one output position, so
 ``y[b, c, (i, t)] = sum_ci x[b, ci, i] W_t[ci, c]`` and the gradients of
@@ -26,6 +29,26 @@ def cheaper(weight: Tensor, groups: int) -> bool:
     multiply-add; the threshold is docs/dispatch.md's measured crossing."""
     taps = weight.shape[2] * weight.shape[3] * weight.shape[4]
     return 6 * (weight.shape[0] // groups) < weight.shape[1] * taps
+
+
+# CUDA's thresholds (docs/dispatch.md): ATen's multiply-adds per float64 multiply-add of the
+# route, and ATen's multiply-adds, from which "gram" beats "aten".
+CUDA_MIN_RATIO = 2
+CUDA_MIN_ATEN_WORK = 1e9
+
+
+def pays_on_cuda(weight: Tensor, x: Tensor, groups: int) -> bool:
+    """ATen's ``3 B P Ci Cog T`` multiply-adds (the recomputed convolution and
+    ``convolution_backward``, TF32) against the route's float64 ``2 B P Ci Cig`` (R and M x)
+    plus ``2 Ci Cig Cog T`` (M and R W), which on deep layers (Ci 512) weigh as much as x's;
+    under the minimum the route's fixed launches lose (docs/dispatch.md)."""
+    taps = weight.shape[2] * weight.shape[3] * weight.shape[4]
+    positions = x.shape[2] * x.shape[3] * x.shape[4]
+    ci, cog = x.shape[1], weight.shape[1]
+    cig = ci // groups
+    aten = 3 * x.shape[0] * positions * ci * cog * taps
+    gram = 2 * x.shape[0] * positions * ci * cig + 2 * ci * cig * cog * taps
+    return aten >= CUDA_MIN_RATIO * gram and aten >= CUDA_MIN_ATEN_WORK
 
 
 def k_part(x: Tensor, weight: Tensor, k: Tensor, mean: Tensor, groups: int, need_x: bool,

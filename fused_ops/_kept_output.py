@@ -15,11 +15,20 @@ float32-exact) with its statistics, accumulated as the op's (float64), and
 ``_ct_bn_pool_kept_backward`` the gradients. Written in Python, their few dozen per-channel
 ATen ops cost the small layers this route serves more host time than the convolution; y is
 contiguous, in x's dtype, as the unfused modules' convolution gives it.
+
+The conv-free routes ("gram", "spectral", docs/math.md §6.2.2–§6.2.3) need no y, only the
+batch's per-sample sums and statistics; a forward that knows its backward takes one keeps
+those (``forward_statistics``), so the backward does not compute them again. From them
+``_ct_bn_pool_kept_backward`` also runs "gram" (its coefficients are the kept route's; x's
+Gram algebra replaces ``convolution_backward``).
 """
+import math
+
 import torch
 from torch import Tensor
 
 from . import _fake
+from .distributed import out_size
 
 
 def can_keep(call: dict) -> bool:
@@ -40,29 +49,49 @@ def _check(call: dict) -> None:
         call["groups"])
 
 
+def _conv_options(call: dict) -> dict:
+    return {k: call[k] for k in ("stride", "padding", "output_padding", "dilation", "groups")}
+
+
+def _apply(call: dict, sums: Tensor, stats: Tensor, positions: int) -> Tensor:
+    """The op's output and running-statistics update from the batch's ``sums`` and
+    ``stats`` (ct_bn_pool_apply); ``positions``: the convolution output's spatial size."""
+    args = (sums, stats, positions, call["bias"], call["scale"], call["bn_weight"],
+            call["bn_bias"])
+    if call["running_mean"] is None:
+        return torch.ops.fused_ops.ct_bn_pool_apply.no_stats(*args, call["eps"], call["x"].dtype)
+    return torch.ops.fused_ops.ct_bn_pool_apply(
+        *args, call["running_mean"], call["running_var"], call["momentum"], call["eps"],
+        call["x"].dtype)
+
+
 def forward(call: dict) -> tuple:
     """(out, (y, sample_sums, stats)): the op's output and running-statistics update, computed
     through y, and what the backward keeps."""
     _check(call)
     y, sums, stats = torch.ops.fused_ops._ct_bn_pool_kept_stats(
-        call["x"], call["weight"], stride=call["stride"], padding=call["padding"],
-        output_padding=call["output_padding"], dilation=call["dilation"], groups=call["groups"])
-    args = (sums, stats, y.shape[2] * y.shape[3] * y.shape[4], call["bias"], call["scale"],
-            call["bn_weight"], call["bn_bias"])
-    if call["running_mean"] is None:
-        out = torch.ops.fused_ops.ct_bn_pool_apply.no_stats(*args, call["eps"], call["x"].dtype)
-    else:
-        out = torch.ops.fused_ops.ct_bn_pool_apply(
-            *args, call["running_mean"], call["running_var"], call["momentum"], call["eps"],
-            call["x"].dtype)
-    return out, (y, sums, stats)
+        call["x"], call["weight"], **_conv_options(call))
+    return _apply(call, sums, stats, y.shape[2] * y.shape[3] * y.shape[4]), (y, sums, stats)
+
+
+def forward_statistics(call: dict) -> tuple:
+    """(out, (sample_sums, stats)): the op's output and running-statistics update from its own
+    statistics (ct_bn_pool_stats, the algorithm ``auto`` picks), which the backward keeps."""
+    _check(call)
+    conv = _conv_options(call)
+    sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(call["x"], call["weight"], **conv)
+    size = out_size(call["x"], call["weight"], conv["stride"], conv["padding"],
+                    conv["output_padding"], conv["dilation"])
+    return _apply(call, sums, stats, math.prod(size)), (sums, stats)
 
 
 def backward(ctx, grad_out: Tensor, needs: dict, x: Tensor, weight: Tensor, bn_weight,
              kept: tuple) -> dict:
     """The gradients of x, the weight (as ``needs`` asks) and the BatchNorm's parameters from
-    dL/dy = A + K (y - mean) (docs/math.md §6.2.2) over the kept y, in the compute dtype."""
-    y, sums, stats = kept
+    dL/dy = A + K (y - mean) (docs/math.md §6.2.2): over the kept y (``kept`` = (y, sums,
+    stats)), or from the kept statistics alone (``kept`` = (sums, stats)) where one tap
+    reaches each output position ("gram", §6.2.3); in the compute dtype."""
+    y, sums, stats = kept if len(kept) == 3 else (None, *kept)
     c = ctx.conv
     kept_backward = torch.ops.fused_ops._ct_bn_pool_kept_backward
     grad_x, grad_weight, grad_bn_weight, grad_bn_bias = kept_backward(

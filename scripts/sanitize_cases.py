@@ -54,20 +54,24 @@ def no_stats_and_the_split_ops():
     assert torch.isfinite(out).all()
 
 
-def training_step(batch, ci, co, size, kernel, **conv):
+def training_step(batch, ci, co, size, kernel, backward="auto", **conv):
     """A training step where gradients flow: on a padded problem, the "kept" route's ops
-    (csrc/kept/kept.cpp: the statistics of y through the finalize, and its backward)."""
+    (csrc/kept/kept.cpp: the statistics of y through the finalize, and its backward); with
+    one tap per output position and `backward` "gram", its backward from the kept statistics
+    (csrc/gram/gram.cpp)."""
     if not mine():
         return
     m = fused_ops.ConvTransposeBNPool3d(ci, co, kernel, 2.0, **conv).cuda()
     x = torch.randn(batch, ci, *size, device="cuda", requires_grad=True)
-    m(x).square().sum().backward()
+    with fused_ops.testing.route(backward=backward):
+        m(x).square().sum().backward()
     torch.cuda.synchronize()
     assert torch.isfinite(x.grad).all() and torch.isfinite(m.conv_transpose.weight.grad).all()
 
 
 training_step(3, 5, 6, (3, 4, 5), 3, padding=1)
 training_step(2, 6, 9, (5, 3, 4), 3, stride=2, padding=1, output_padding=1, groups=3)
+training_step(3, 6, 4, (3, 4, 5), 2, backward="gram", stride=2, groups=2)
 for training in (False, True):
     for algo in ("direct", "sliced_conv"):
         run(3, 5, 19, (3, 4, 5), (2, 3, 2), training, algo)

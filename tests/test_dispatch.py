@@ -135,7 +135,10 @@ BACKWARD_CASES = [
     ("cuda", 8, 32, 32, 8, 5, dict(), True, "aten"),             # t8k5: too small
     ("cuda", 8, 64, 32, 16, 4, dict(stride=2, padding=1), True, "kept"),
     ("cuda", 8, 64, 32, 16, 4, dict(stride=2, padding=1), False, "aten"),
-    ("cuda", 8, 64, 32, 16, 2, dict(stride=2), True, "aten"),    # up2: gram loses on CUDA
+    ("cuda", 8, 64, 32, 16, 2, dict(stride=2), True, "gram"),    # up2: ATen / gram work 6
+    ("cuda", 8, 512, 256, 8, 2, dict(stride=2), True, "gram"),   # deep, batch 8: 4.0
+    ("cuda", 1, 512, 256, 8, 2, dict(stride=2), True, "aten"),   # deep, batch 1: 1.2
+    ("cuda", 1, 32, 16, 16, 2, dict(stride=2), True, "aten"),    # ATen's work 5e7: too small
 ]
 
 

@@ -282,6 +282,25 @@ def test_cpu_training_step_forms_the_convolution_once(problem):
         assert sorted(n for n in names if n in ours | convolutions) == sorted(once), (route, names)
 
 
+@pytest.mark.parametrize("route", ["gram", "spectral"])
+def test_conv_free_step_computes_the_statistics_once(route):
+    """A forward whose backward takes a conv-free route keeps the batch's sums and statistics
+    (ct_bn_pool_stats, then ct_bn_pool_apply, instead of the op): the backward reads them
+    instead of computing them again, and no convolution runs in the step."""
+    p = CONV_FREE_WIDE[route]
+    _, fused = make_models(p, torch.float64)
+    x = make_input(p, torch.float64).requires_grad_()
+
+    def step():
+        fused(x).sum().backward()
+
+    with fused_ops.testing.route(backward=route):
+        names = _ops_run(step)
+    watched = {"ct_bn_pool", "ct_bn_pool_stats", "ct_bn_pool_apply", "convolution",
+               "_convolution", "convolution_backward"}
+    assert sorted(n for n in names if n in watched) == ["ct_bn_pool_apply", "ct_bn_pool_stats"]
+
+
 @pytest.mark.parametrize("case", ["algo", "empty-batch"])
 def test_forced_kept_refuses_where_the_forward_cannot_keep(case):
     """"kept" needs a forward that forms the output itself: not a forced algorithm (it

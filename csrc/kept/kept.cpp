@@ -3,9 +3,12 @@
 // statistics from it and keeps it for the backward, whose gradient of y is affine in y.
 // Both halves are here as ATen calls from C++ rather than from Python: on the small layers
 // this route serves, the dozens of per-channel ops around the convolution cost more host
-// time from Python than the convolution itself.
+// time from Python than the convolution itself. The backward also serves a forward that kept
+// only the statistics where one tap reaches each output position: its x and weight gradients
+// are then x's Gram algebra (csrc/gram/gram.cpp), the same coefficients.
 #include "ct_bn_pool.h"
 
+#include "common/geometry.h"
 #include "validate.h"
 
 namespace fused_ops {
@@ -41,43 +44,77 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_stats_forward(
   return {y, in.sample_sums_out, in.stats_out};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_backward(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
-    const c10::optional<at::Tensor>& bn_weight, const at::Tensor& y, const at::Tensor& sample_sums,
-    const at::Tensor& stats, double scale, double eps, at::IntArrayRef stride,
-    at::IntArrayRef padding, at::IntArrayRef output_padding, at::IntArrayRef dilation,
-    int64_t groups, std::array<bool, 2> output_mask) {
-  const at::ScalarType compute = compute_dtype(x.scalar_type());
-  const int64_t batch = y.size(0);
-  const double n = static_cast<double>(y.size(2) * y.size(3) * y.size(4));  // positions
+namespace {
+
+// dL/dy = field[b, c] + k[c] (y - mean[c]) (§6.2.2) and the BatchNorm's gradients, from the
+// pooled output's gradient and the batch's sums and statistics: field = coef (g - mean_b g),
+// k = -coef mean_b(g zbar) dzhat/dy, coef = gamma dzhat/dy / positions.
+struct AffineGrad {
+  at::Tensor g_sum, grad_bn_weight;  // sum_b g, sum_b g zbar: [C], compute dtype
+  at::Tensor field, k, mean;         // [B, C], [C] compute dtype; [C] float64
+};
+
+AffineGrad affine_grad(const at::Tensor& grad_out, const c10::optional<at::Tensor>& bn_weight,
+                       const at::Tensor& sample_sums, const at::Tensor& stats, double scale,
+                       double eps, double positions, at::ScalarType compute, bool need_field) {
+  AffineGrad a;
   const at::Tensor g = grad_out.flatten(1).to(compute);  // [B, C]
-  const at::Tensor g_sum = g.sum(0);                      // sum_b g: BatchNorm's bias gradient
-  const at::Tensor mean = stats[1], var = stats[2] / stats[0];
+  const double batch = static_cast<double>(g.size(0));
+  a.g_sum = g.sum(0);
+  a.mean = stats[1];
   // dzhat / dy = scale / sqrt(var_z + eps), float64 [C]; zbar: each sample's pooled zhat.
-  const at::Tensor z_unit = (var * (scale * scale) + eps).rsqrt_().mul_(scale);
-  const at::Tensor zbar = (z_unit * (sample_sums / n - mean)).to(compute);  // [B, C]
-  at::Tensor grad_bn_weight = (g * zbar).sum(0);
-  at::Tensor grad_x, grad_weight;
-  if (output_mask[0] || output_mask[1]) {
-    // dL/dy = A + K (y - mean) (§6.2.2): A = coef (g - mean_b g),
-    // K = -coef mean_b(g zbar) dzhat/dy.
+  const at::Tensor z_unit = (stats[2] / stats[0] * (scale * scale) + eps).rsqrt_().mul_(scale);
+  const at::Tensor zbar = (z_unit * (sample_sums / positions - a.mean)).to(compute);  // [B, C]
+  a.grad_bn_weight = (g * zbar).sum(0);
+  if (need_field) {
     const at::Tensor z_unit_c = z_unit.to(compute);
     const at::Tensor gain = bn_weight.has_value() && bn_weight->defined()
                                 ? bn_weight->to(compute) * z_unit_c : z_unit_c;
-    const at::Tensor coef = gain / n;
-    const at::Tensor field = coef * (g - g_sum / static_cast<double>(batch));
-    const at::Tensor k = -coef * (grad_bn_weight / static_cast<double>(batch)) * z_unit_c;
-    const at::Tensor shift = (field - k * mean).to(y.scalar_type()).view({batch, -1, 1, 1, 1});
-    const at::Tensor grad_y = at::addcmul(shift, y, k.to(y.scalar_type()).view({1, -1, 1, 1, 1}));
+    const at::Tensor coef = gain / positions;
+    a.field = coef * (g - a.g_sum / batch);
+    a.k = -coef * (a.grad_bn_weight / batch) * z_unit_c;
+  }
+  return a;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_backward(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const c10::optional<at::Tensor>& bn_weight, const c10::optional<at::Tensor>& y,
+    const at::Tensor& sample_sums, const at::Tensor& stats, double scale, double eps,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef output_padding,
+    at::IntArrayRef dilation, int64_t groups, std::array<bool, 2> output_mask) {
+  const bool kept_y = y.has_value() && y->defined();
+  TORCH_CHECK(kept_y || one_tap_per_position(weight, stride, padding, dilation),
+              "_ct_bn_pool_kept_backward: without y the backward needs padding 0 and one tap per "
+              "output position (dilation (k - 1) < stride in every dim)");
+  int64_t positions = 1;
+  for (int d = 0; d < 3; ++d) {
+    positions *= conv_transpose_out_size(x.size(2 + d), weight.size(2 + d), stride[d], padding[d],
+                                         dilation[d], output_padding[d]);
+  }
+  const bool need_field = output_mask[0] || output_mask[1];
+  const AffineGrad a = affine_grad(grad_out, bn_weight, sample_sums, stats, scale, eps,
+                                   static_cast<double>(positions), compute_dtype(x.scalar_type()),
+                                   need_field);
+  at::Tensor grad_x, grad_weight;
+  if (need_field && kept_y) {
+    const int64_t batch = y->size(0);
+    const at::Tensor shift = (a.field - a.k * a.mean).to(y->scalar_type()).view({batch, -1, 1, 1, 1});
+    const at::Tensor grad_y = at::addcmul(shift, *y, a.k.to(y->scalar_type()).view({1, -1, 1, 1, 1}));
     std::tie(grad_x, grad_weight, std::ignore) = at::convolution_backward(
         grad_y, x, weight, c10::nullopt, stride, padding, dilation, /*transposed=*/true,
         output_padding, groups, {output_mask[0], output_mask[1], false});
+  } else if (need_field) {
+    std::tie(grad_x, grad_weight) =
+        gram_gradients(a.field, a.k, a.mean, x, weight, groups, output_mask);
   }
   // Contiguous whatever the backend chose (the fake kernel's layout); what is not asked for
   // comes back empty: a schema's Tensor return cannot be None.
   grad_x = grad_x.defined() ? grad_x.contiguous() : at::empty({0}, x.options());
   grad_weight = grad_weight.defined() ? grad_weight.contiguous() : at::empty({0}, weight.options());
-  return {grad_x, grad_weight, grad_bn_weight, g_sum};
+  return {grad_x, grad_weight, a.grad_bn_weight, a.g_sum};
 }
 
 }  // namespace fused_ops
