@@ -245,7 +245,8 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
         # weight.
         if torch.is_grad_enabled():
             kept = ()
-        route = _backward_routes.chosen(ctx.conv, weight, x, can_keep=len(kept) == 3)
+        route = _backward_routes.chosen(ctx.conv, weight, x, can_keep=len(kept) == 3,
+                                        has_statistics=bool(kept))
     # Only a process's own batch keeps y or its statistics; "gram" from them runs in C++.
     if route == "kept" or (route == "gram" and len(kept) == 2):
         grads.update(_kept_output.backward(ctx, grad_out, needs, x, weight, bn_weight, kept))

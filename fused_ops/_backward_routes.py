@@ -35,11 +35,15 @@ def _spectral_pays(conv: dict, weight: Tensor, x: Tensor) -> bool:
     return ratio >= SPECTRAL_MIN_RATIO and aten >= SPECTRAL_MIN_ATEN_WORK
 
 
-def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False) -> str:
+def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False,
+           has_statistics=None) -> str:
     """"aten" (the recomputed convolution, docs/math.md §6.2), "kept" (the forward's, §6.2.4),
     "spectral" (§6.2.2) or "gram" (§6.2.3) for a backward of this geometry and input x;
     "kept" only where the forward `can_keep` the output (``_kept_output.can_keep``, and a
-    caller that keeps it)."""
+    caller that keeps it); on CUDA "gram" only where the forward's statistics are at hand
+    (`has_statistics`, by default `can_keep`): its measurements are the C++ route's from them."""
+    if has_statistics is None:
+        has_statistics = can_keep
     if ROUTE != "auto":
         if ROUTE in _COVERS and not _COVERS[ROUTE][1](conv, weight):
             raise RuntimeError(f"fused_ops.testing.route(backward={ROUTE!r}): the route needs "
@@ -58,8 +62,8 @@ def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False) -> str
             return "kept"
         if _spectral_backward.supported(conv, weight) and _spectral_pays(conv, weight, x):
             return "spectral"
-        if _gram_backward.supported(conv, weight) and _gram_backward.pays_on_cuda(
-                weight, x, conv["groups"]):
+        if (has_statistics and _gram_backward.supported(conv, weight)
+                and _gram_backward.pays_on_cuda(weight, x, conv["groups"])):
             return "gram"
         return "aten"
     # The CPU: the forward's statistics cost a convolution there, so keeping its output

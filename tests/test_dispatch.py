@@ -139,6 +139,7 @@ BACKWARD_CASES = [
     ("cuda", 8, 512, 256, 8, 2, dict(stride=2), True, "gram"),   # deep, batch 8: 4.0
     ("cuda", 1, 512, 256, 8, 2, dict(stride=2), True, "aten"),   # deep, batch 1: 1.2
     ("cuda", 1, 32, 16, 16, 2, dict(stride=2), True, "aten"),    # ATen's work 5e7: too small
+    ("cuda", 8, 64, 32, 16, 2, dict(stride=2), False, "aten"),   # up2, no statistics kept
 ]
 
 
