@@ -40,8 +40,8 @@ def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False,
     """"aten" (the recomputed convolution, docs/math.md §6.2), "kept" (the forward's, §6.2.4),
     "spectral" (§6.2.2) or "gram" (§6.2.3) for a backward of this geometry and input x;
     "kept" only where the forward `can_keep` the output (``_kept_output.can_keep``, and a
-    caller that keeps it); on CUDA "gram" only where the forward's statistics are at hand
-    (`has_statistics`, by default `can_keep`): its measurements are the C++ route's from them."""
+    caller that keeps it); "gram" by the measurements of its C++ route where the forward's
+    statistics are at hand (`has_statistics`, by default `can_keep`), on CUDA only there."""
     if has_statistics is None:
         has_statistics = can_keep
     if ROUTE != "auto":
@@ -63,13 +63,16 @@ def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False,
         if _spectral_backward.supported(conv, weight) and _spectral_pays(conv, weight, x):
             return "spectral"
         if (has_statistics and _gram_backward.supported(conv, weight)
-                and _gram_backward.pays_on_cuda(weight, x, conv["groups"])):
+                and _gram_backward.pays(weight, x, conv["groups"])):
             return "gram"
         return "aten"
     # The CPU: the forward's statistics cost a convolution there, so keeping its output
-    # spares the backward's; "gram" beats that where x's Gram matrix is small against the
-    # convolution, and "spectral" (thousands of tiny GEMMs per call) nowhere.
-    if _gram_backward.supported(conv, weight) and _gram_backward.cheaper(weight, conv["groups"]):
+    # spares the backward's; "gram" beats that where its work is small against the
+    # convolution's (measured from the statistics the forward keeps, and without them), and
+    # "spectral" (thousands of tiny GEMMs per call) nowhere.
+    if _gram_backward.supported(conv, weight) and (
+            _gram_backward.pays(weight, x, conv["groups"]) if has_statistics
+            else _gram_backward.cheaper(weight, conv["groups"])):
         return "gram"
     return "kept" if can_keep else "aten"
 

@@ -23,32 +23,33 @@ def supported(conv: dict, weight: Tensor) -> bool:
 
 
 def cheaper(weight: Tensor, groups: int) -> bool:
-    """Whether it beats the "kept" route on the CPU: its float64 GEMMs' ``2 Cig^2``
-    multiply-adds per input position against oneDNN's convolution and
-    ``convolution_backward``, ``3 Cig Cog taps``, float64 costing about twice per
-    multiply-add; the threshold is docs/dispatch.md's measured crossing."""
+    """Whether it beats the "kept" route on the CPU where the forward kept no statistics (the
+    route computes them again, in Python): its float64 GEMMs' ``2 Cig^2`` multiply-adds per
+    input position against oneDNN's convolution and ``convolution_backward``,
+    ``3 Cig Cog taps``, float64 costing about twice per multiply-add; the threshold is
+    docs/dispatch.md's measured crossing."""
     taps = weight.shape[2] * weight.shape[3] * weight.shape[4]
     return 6 * (weight.shape[0] // groups) < weight.shape[1] * taps
 
 
-# CUDA's thresholds (docs/dispatch.md): ATen's multiply-adds per float64 multiply-add of the
-# route, and ATen's multiply-adds, from which "gram" beats "aten".
-CUDA_MIN_RATIO = 2
+# docs/dispatch.md: ATen's multiply-adds per float64 multiply-add of the route from which
+# "gram" from the forward's statistics (the C++ route) wins, on CUDA and on the CPU, and the
+# ATen multiply-adds under which CUDA's launches decide instead.
+MIN_RATIO = 2
 CUDA_MIN_ATEN_WORK = 1e9
 
 
-def pays_on_cuda(weight: Tensor, x: Tensor, groups: int) -> bool:
-    """ATen's ``3 B P Ci Cog T`` multiply-adds (the recomputed convolution and
-    ``convolution_backward``, TF32) against the route's float64 ``2 B P Ci Cig`` (R and M x)
-    plus ``2 Ci Cig Cog T`` (M and R W), which on deep layers (Ci 512) weigh as much as x's;
-    under the minimum the route's fixed launches lose (docs/dispatch.md)."""
+def pays(weight: Tensor, x: Tensor, groups: int) -> bool:
+    """ATen's ``3 B P Ci Cog T`` multiply-adds (the convolution and ``convolution_backward``)
+    against the route's float64 ``2 B P Ci Cig`` (R and M x) plus ``2 Ci Cig Cog T`` (M and
+    R W), which on deep layers (Ci 512) or small grids weigh as much as x's."""
     taps = weight.shape[2] * weight.shape[3] * weight.shape[4]
     positions = x.shape[2] * x.shape[3] * x.shape[4]
     ci, cog = x.shape[1], weight.shape[1]
     cig = ci // groups
     aten = 3 * x.shape[0] * positions * ci * cog * taps
     gram = 2 * x.shape[0] * positions * ci * cig + 2 * ci * cig * cog * taps
-    return aten >= CUDA_MIN_RATIO * gram and aten >= CUDA_MIN_ATEN_WORK
+    return aten >= MIN_RATIO * gram and (not weight.is_cuda or aten >= CUDA_MIN_ATEN_WORK)
 
 
 def k_part(x: Tensor, weight: Tensor, k: Tensor, mean: Tensor, groups: int, need_x: bool,

@@ -126,8 +126,11 @@ def test_auto_on_cuda_at_stride_1_weighs_the_cross_spectrum(batch, size, kernel,
 
 BACKWARD_CASES = [
     # (device, B, Ci, Co, spatial, kernel, conv, can_keep, route)
-    ("cpu", 4, 16, 16, 12, 2, dict(stride=2), True, "gram"),     # Cig / (Cog taps) = 1/8
-    ("cpu", 4, 32, 16, 8, 2, dict(stride=2), True, "kept"),      # cpu_up2: 1/4
+    ("cpu", 4, 16, 16, 12, 2, dict(stride=2), True, "gram"),     # ATen / gram work 11.8
+    ("cpu", 4, 32, 16, 8, 2, dict(stride=2), True, "gram"),      # cpu_up2: 5.6
+    ("cpu", 2, 128, 64, 4, 2, dict(stride=2), True, "kept"),     # 1.2
+    ("cpu", 4, 16, 16, 12, 2, dict(stride=2), False, "gram"),    # no statistics: Cig / (Cog taps) 1/8
+    ("cpu", 4, 32, 16, 8, 2, dict(stride=2), False, "aten"),     # no statistics: 1/4
     ("cpu", 4, 16, 32, 8, 3, dict(), True, "kept"),              # cpu_small
     ("cpu", 4, 16, 32, 8, 3, dict(), False, "aten"),             # the forward did not keep y
     ("cuda", 16, 64, 128, (16, 32, 32), 5, dict(), True, "spectral"),  # seed: ratio 37
