@@ -12,6 +12,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fused_ops
+import fused_ops.testing
 from conftest import (DEVICES, FAMILIES, Problem, Reference, TOL, assert_gradients_match,
                       make_input, make_models, relerr, run_backward, skip_unless_algo_covers,
                       twin_modules)
@@ -272,6 +273,28 @@ def assert_compiled_trains_like_eager(problem, training, device, batches, **comp
 def test_compiled_module_with_parameters_requiring_grad_trains(training, device):
     assert_compiled_trains_like_eager(COMPILE_PROBLEM, training, device, batches=(2, 2),
                                       backend="inductor")
+
+
+# Kernel = stride: one tap per output position, the conv-free "gram" route.
+ONE_TAP_PROBLEM = Problem(2, 3, 16, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(stride=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_conv_free_training_step_matches_float64(device):
+    """"gram" under torch.compile (fullgraph, inductor): the forward's ct_bn_pool_stats and
+    ct_bn_pool_apply, whose statistics the backward's _ct_bn_pool_kept_backward reads without
+    y; output and every gradient against the float64 unfused modules."""
+    reference, module = make_models(ONE_TAP_PROBLEM, torch.float64, device)
+    x = make_input(ONE_TAP_PROBLEM, torch.float64, offset=2.0)
+    grad_out = torch.randn(x.shape[0], ONE_TAP_PROBLEM.out_channels, 1, 1, 1,
+                           dtype=torch.float64)
+    want_out, want = run_backward(reference, x, grad_out)
+    with fresh_compile(), fused_ops.testing.route(backward="gram"):
+        out, got = run_backward(torch.compile(module, fullgraph=True), x.to(device),
+                                grad_out.to(device))
+    assert relerr(out.cpu(), want_out) <= TOL[torch.float64]
+    assert_gradients_match(got, want, TOL[torch.float64])
 
 
 @pytest.mark.cuda
