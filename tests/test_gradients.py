@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd import gradcheck, gradgradcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -299,6 +300,24 @@ def test_conv_free_step_computes_the_statistics_once(route):
     watched = {"ct_bn_pool", "ct_bn_pool_stats", "ct_bn_pool_apply", "convolution",
                "_convolution", "convolution_backward"}
     assert sorted(n for n in names if n in watched) == ["ct_bn_pool_apply", "ct_bn_pool_stats"]
+
+
+def test_backward_without_y_refuses_several_taps_per_position():
+    """_ct_bn_pool_kept_backward without y is x's Gram algebra, exact only where one tap
+    reaches each output position: elsewhere it refuses, naming what it needs (its fake kernel
+    too)."""
+    def call():
+        x, weight = torch.randn(2, 3, 4, 4, 4), torch.randn(3, 5, 3, 3, 3)
+        sums = torch.randn(2, 5, dtype=torch.float64)
+        stats = torch.tensor([[128.0] * 5, [0.0] * 5, [128.0] * 5], dtype=torch.float64)
+        torch.ops.fused_ops._ct_bn_pool_kept_backward(
+            torch.randn(2, 5, 1, 1, 1), x, weight, None, None, sums, stats, 1.0, 1e-5,
+            stride=[2] * 3, padding=[0] * 3, output_padding=[0] * 3, dilation=[1] * 3, groups=1,
+            output_mask=[True, True])
+
+    for mode in (contextlib.nullcontext(), FakeTensorMode()):
+        with mode, pytest.raises(RuntimeError, match="without y the backward needs padding 0"):
+            call()
 
 
 @pytest.mark.parametrize("case", ["algo", "empty-batch"])
