@@ -52,7 +52,7 @@ from torch import Tensor
 
 from . import _backward_routes, _box_sums, _gram_backward, _kept_output, _spectral_backward
 from ._fake import compute_dtype
-from .distributed import out_size
+from .distributed import conv_options, out_size
 
 _LIB = torch.library.Library("fused_ops", "IMPL")  # kept alive: registrations live as long as it
 # Positions in ct_bn_pool's schema (csrc/ops.cpp) of the arguments read here.
@@ -107,8 +107,7 @@ class _CtBnPoolBackward(torch.autograd.Function):
             eval_stats = tuple(None if stat is None else stat.clone()  # None: the op refuses
                                for stat in (call["running_mean"], call["running_var"]))
             args = (*args[:_RUNNING_MEAN], *eval_stats, *args[_RUNNING_VAR + 1:])
-        ctx.conv = {k: call[k] for k in ("stride", "padding", "output_padding", "dilation",
-                                         "groups")}
+        ctx.conv = conv_options(call)
         keep = (_backward_routes.keeps(ctx.conv, call["weight"], call["x"])
                 if training and _kept_output.can_keep(call) else None)
         if keep == "output":

@@ -17,6 +17,8 @@ Conditions on sizes go through torch._check / torch._check_value, so that symbol
 """
 import torch
 
+from . import _gram_backward
+
 _ALGOS = ("auto", "fft", "direct", "sliced_conv", "correlation", "cross_spectrum", "border")
 _CONV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -296,11 +298,10 @@ def _ct_bn_pool_kept_stats_fake(x, weight, *, stride=(1, 1, 1), padding=(0, 0, 0
 def _ct_bn_pool_kept_backward_fake(grad_out, x, weight, bn_weight, y, sample_sums, stats, scale,
                                    eps, *, stride, padding, output_padding, dilation, groups,
                                    output_mask):
-    _runtime(y is not None or all(
-        p == 0 and d * (k - 1) < s
-        for p, d, k, s in zip(padding, dilation, weight.shape[2:], stride)),
-        lambda: "_ct_bn_pool_kept_backward: without y the backward needs padding 0 and one tap "
-                "per output position (dilation (k - 1) < stride in every dim)")
+    conv = dict(stride=stride, padding=padding, dilation=dilation)
+    _runtime(y is not None or _gram_backward.supported(conv, weight),
+             lambda: "_ct_bn_pool_kept_backward: without y the backward needs padding 0 and one "
+                     "tap per output position (dilation (k - 1) < stride in every dim)")
     compute = compute_dtype(x.dtype)
     channels = stats.shape[1]
     return (x.new_empty(x.shape if output_mask[0] else (0,)),

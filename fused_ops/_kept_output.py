@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import _fake
-from .distributed import out_size
+from .distributed import conv_options, out_size
 
 
 def can_keep(call: dict) -> bool:
@@ -49,10 +49,6 @@ def _check(call: dict) -> None:
         call["groups"])
 
 
-def _conv_options(call: dict) -> dict:
-    return {k: call[k] for k in ("stride", "padding", "output_padding", "dilation", "groups")}
-
-
 def _apply(call: dict, sums: Tensor, stats: Tensor, positions: int) -> Tensor:
     """The op's output and running-statistics update from the batch's ``sums`` and
     ``stats`` (ct_bn_pool_apply); ``positions``: the convolution output's spatial size."""
@@ -70,7 +66,7 @@ def forward(call: dict) -> tuple:
     through y, and what the backward keeps."""
     _check(call)
     y, sums, stats = torch.ops.fused_ops._ct_bn_pool_kept_stats(
-        call["x"], call["weight"], **_conv_options(call))
+        call["x"], call["weight"], **conv_options(call))
     return _apply(call, sums, stats, y.shape[2] * y.shape[3] * y.shape[4]), (y, sums, stats)
 
 
@@ -78,7 +74,7 @@ def forward_statistics(call: dict) -> tuple:
     """(out, (sample_sums, stats)): the op's output and running-statistics update from its own
     statistics (ct_bn_pool_stats, the algorithm ``auto`` picks), which the backward keeps."""
     _check(call)
-    conv = _conv_options(call)
+    conv = conv_options(call)
     sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(call["x"], call["weight"], **conv)
     size = out_size(call["x"], call["weight"], conv["stride"], conv["padding"],
                     conv["output_padding"], conv["dilation"])

@@ -37,6 +37,11 @@ def check_process_group(process_group) -> None:
         raise ValueError("ct_bn_pool: this process is not a member of process_group")
 
 
+def conv_options(call: dict) -> dict:
+    """The convolution options of a call's arguments, by name."""
+    return {k: call[k] for k in _CONV}
+
+
 def out_size(x: Tensor, weight: Tensor, stride, padding, output_padding, dilation) -> list:
     """[Do, Ho, Wo] of the ConvTranspose3d output (docs/math.md, top), from shapes only."""
     return [(x.shape[2 + d] - 1) * stride[d] - 2 * padding[d]
@@ -179,7 +184,7 @@ class _SyncedCtBnPool(torch.autograd.Function):
         # another collective.
         ctx.save_for_backward(x, weight, bias, bn_weight, merged)
         ctx.scale, ctx.eps, ctx.group = call["scale"], call["eps"], call["process_group"]
-        ctx.conv = {k: call[k] for k in _CONV}
+        ctx.conv = conv_options(call)
         ctx.dtypes = {n: t.dtype for n, t in zip(_DIFFERENTIABLE, (x, weight, bias, bn_weight,
                                                                     bn_bias)) if t is not None}
         return out
