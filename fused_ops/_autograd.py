@@ -242,10 +242,11 @@ def _training_grads(ctx, grad_out, needs, x, weight, bias, bn_weight, stats=None
         # A double backward (create_graph) differentiates this backward: what the forward kept
         # is a constant to autograd, so y and its statistics are recomputed from x and the
         # weight.
-        if torch.is_grad_enabled():
+        create_graph = torch.is_grad_enabled()
+        if create_graph:
             kept = ()
         route = _backward_routes.chosen(ctx.conv, weight, x, can_keep=len(kept) == 3,
-                                        has_statistics=bool(kept))
+                                        has_statistics=bool(kept), create_graph=create_graph)
     # Only a process's own batch keeps y or its statistics; "gram" from them runs in C++.
     if route == "kept" or (route == "gram" and len(kept) == 2):
         grads.update(_kept_output.backward(ctx, grad_out, needs, x, weight, bn_weight, kept))

@@ -36,24 +36,32 @@ def _spectral_pays(conv: dict, weight: Tensor, x: Tensor) -> bool:
 
 
 def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False,
-           has_statistics=None) -> str:
+           has_statistics=None, create_graph: bool = False) -> str:
     """"aten" (the recomputed convolution, docs/math.md §6.2), "kept" (the forward's, §6.2.4),
     "spectral" (§6.2.2) or "gram" (§6.2.3) for a backward of this geometry and input x;
     "kept" only where the forward `can_keep` the output (``_kept_output.can_keep``, and a
     caller that keeps it); "gram" by the measurements of its C++ route where the forward's
-    statistics are at hand (`has_statistics`, by default `can_keep`), on CUDA only there."""
+    statistics are at hand (`has_statistics`, by default `can_keep`), on CUDA only there.
+    A backward that is differentiated itself (`create_graph`) takes "aten": the conv-free
+    routes read the batch statistics from ``ct_bn_pool_stats``, which has no derivative."""
     if has_statistics is None:
         has_statistics = can_keep
     if ROUTE != "auto":
         if ROUTE in _COVERS and not _COVERS[ROUTE][1](conv, weight):
             raise RuntimeError(f"fused_ops.testing.route(backward={ROUTE!r}): the route needs "
                                f"{_COVERS[ROUTE][0]}")
+        if ROUTE in _COVERS and create_graph:
+            raise RuntimeError(f"fused_ops.testing.route(backward={ROUTE!r}): the route has no "
+                               "double backward (create_graph): it reads the batch statistics "
+                               "from ct_bn_pool_stats, which has no derivative; 'aten' has one")
         if ROUTE == "kept" and not can_keep:
             raise RuntimeError("fused_ops.testing.route(backward='kept'): the route needs the "
                                "forward to keep the convolution output: algo 'auto', a "
                                "non-empty batch, a process's own batch statistics, and no "
                                "create_graph (a double backward recomputes it)")
         return ROUTE
+    if create_graph:
+        return "aten"
     if weight.is_cuda:
         # With padding the op's own statistics (border, direct, sliced_conv) cost more than
         # the convolution that "kept" adds to the forward and spares the backward; without,

@@ -401,6 +401,44 @@ def test_gradcheck(training, scale):
     assert gradgradcheck(pooled, inputs)  # the backward is made of differentiable ATen ops
 
 
+def _double_backward_inputs(c_out):
+    kw = dict(dtype=torch.float64, requires_grad=True)
+    return (torch.randn(2, 2, 2, 3, 2, **kw), torch.randn(2, c_out, 2, 2, 2, **kw),
+            torch.randn(c_out, **kw), (torch.rand(c_out, dtype=torch.float64) + 0.5).requires_grad_(),
+            torch.randn(c_out, **kw))
+
+
+# (route forced or "auto", conv options): "auto" there takes "gram" in a first backward (one
+# tap per position, 8 output channels: docs/dispatch.md's CPU rule), "spectral" is forced.
+DOUBLE_BACKWARD_CASES = [("auto", dict(stride=2)), ("gram", dict(stride=2)), ("spectral", dict())]
+
+
+@pytest.mark.parametrize("route, conv", DOUBLE_BACKWARD_CASES, ids=lambda c: str(c))
+def test_double_backward_of_a_conv_free_geometry(route, conv):
+    """A backward that is differentiated (create_graph) takes the recomputed convolution where
+    a first backward takes a conv-free route (whose statistics have no derivative), so
+    gradgradcheck holds under "auto"; a conv-free route forced there refuses with its reason."""
+    inputs = _double_backward_inputs(8)
+    running_mean, running_var = torch.randn(8, dtype=torch.float64), torch.rand(8).double() + 0.5
+    geometry = {"stride": [conv.get("stride", 1)] * 3, "padding": [0] * 3,
+                "output_padding": [0] * 3, "dilation": [1] * 3, "groups": 1}
+    if route == "auto":
+        assert fused_ops._backward_routes.chosen(geometry, inputs[1], inputs[0]) == "gram"
+
+    def pooled(x, weight, bias, bn_weight, bn_bias):
+        return fused_ops.ct_bn_pool(x, weight, bias, 1.5, bn_weight, bn_bias,
+                                    running_mean.clone(), running_var.clone(), True, eps=0.3,
+                                    **conv)
+
+    with fused_ops.testing.route(backward=route):
+        assert gradcheck(pooled, inputs)
+        if route == "auto":
+            assert gradgradcheck(pooled, inputs)
+            return
+        with pytest.raises(RuntimeError, match="no double backward"):
+            torch.autograd.grad(pooled(*inputs).sum(), inputs[0], create_graph=True)
+
+
 def test_training_bumps_the_running_stats_versions_and_eval_does_not():
     tensors, rest = functional_inputs("cpu", training=True)
     stats = rest["running_mean"], rest["running_var"]
