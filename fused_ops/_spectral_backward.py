@@ -78,7 +78,10 @@ class Grid:
         self.complex = torch.complex128 if compute == torch.float64 else torch.complex64
         self.bases = _bases(self.full, weight, conv["dilation"], self.complex, x.device)
         self.plane = self.bases[1].shape[0] * self.bases[2].shape[0]  # bins per row
-        self.half = _half_weights(self.full[2], x.device, compute)
+        # The inverse DFT's bases [taps, bins]; the last dimension's counts each half-spectrum
+        # bin as often as the full spectrum holds it (folded here, not a pass over a slab).
+        e0, e1, e2 = (b.conj().t() for b in self.bases)
+        self.inverse = (e0, e1, e2 * _half_weights(self.full[2], x.device, compute))
         spectrum = torch.fft.rfftn(x.to(compute), s=self.full, dim=(2, 3, 4))
         # [G, n0 * n1 * (n2/2+1), B, Ci/G]
         self.x_spectrum = spectrum.unflatten(1, (self.groups, -1)).permute(
@@ -113,16 +116,12 @@ class Grid:
         """X[g, f, b, i] on the slab's frequencies: [G, F, B, Ci/G]."""
         return self.x_spectrum[:, start * self.plane:stop * self.plane]
 
-    def half_weights(self, start: int, stop: int) -> Tensor:
-        """[F, 1]: each bin of the slab, in order, counted as in the full spectrum."""
-        return self.half.repeat((stop - start) * self.bases[1].shape[0]).unsqueeze(1)
-
     def taps(self, spectrum: Tensor, start: int, stop: int) -> Tensor:
         """The inverse DFT of a Hermitian spectrum's slab ``[G, F, I, O]`` at the kernel's taps
         only, times the grid size and before its real part: ``[G, kD, kH, kW, I, O]``."""
-        e0, e1, e2 = (b.conj().t() for b in self.bases)  # [taps, bins]
+        e0, e1, e2 = self.inverse  # [taps, bins]
         rows, n1 = stop - start, e1.shape[1]
-        s = (spectrum * self.half_weights(start, stop).unsqueeze(-1)).flatten(2)  # [G, F, I O]
+        s = spectrum.flatten(2)  # [G, F, I O]
         s = torch.matmul(e2, s.unflatten(1, (rows * n1, -1)))  # [G, s n1, kw, I O]
         s = torch.matmul(e1, s.unflatten(1, (rows, n1)).flatten(3))  # [G, s, kh, kw I O]
         s = torch.matmul(e0[:, start:stop], s.flatten(2))  # [G, kd, kh kw I O]
@@ -148,20 +147,27 @@ def k_part(grid: Grid, k: Tensor, centered_sums: Tensor, x_size, need_x: bool,
     groups = grid.groups
     k = k.to(grid.complex).view(groups, 1, 1, -1)  # on y's [G, F, B, O]
     dc = centered_sums.view(-1, groups, grid.out_group).transpose(0, 1)  # [G, B, O]
-    x_parts, w_grad = [], None
+    # x's gradient spectrum, [G, F, B, I], filled slab by slab. Once a slab is done its part of
+    # x's spectrum is read no more, so the gradient takes its place (one spectrum-sized tensor
+    # instead of two), except where a double backward differentiates through x's spectrum.
+    x_spectral_grad = None
+    if need_x:
+        x_spectral_grad = (grid.x_spectrum if not torch.is_grad_enabled()
+                           else torch.empty_like(grid.x_spectrum))
+    w_grad = None
     for start, stop in grid.slabs():
         xs, ws, y = grid.product(start, stop)
         if start == 0:
             y = _centered_dc(y, dc)
         ky = y * k
-        if need_x:
-            x_parts.append(torch.matmul(ky, ws.mH))  # [G, F, B, I]
         if need_weight:
             taps = grid.taps(torch.matmul(xs.mH, ky), start, stop)
             w_grad = taps if w_grad is None else w_grad + taps
+        if need_x:
+            x_spectral_grad[:, start * grid.plane:stop * grid.plane] = torch.matmul(ky, ws.mH)
     x_grad = None
     if need_x:
-        spectrum = torch.cat(x_parts, dim=1).unflatten(1, (*grid.full[:2], -1))
+        spectrum = x_spectral_grad.unflatten(1, (*grid.full[:2], -1))
         spectrum = spectrum.permute(4, 0, 5, 1, 2, 3).flatten(1, 2)  # [B, Ci, n0, n1, n2h]
         full = torch.fft.irfftn(spectrum, s=grid.full, dim=(2, 3, 4))
         x_grad = full[:, :, :x_size[0], :x_size[1], :x_size[2]]
