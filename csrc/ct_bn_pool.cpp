@@ -9,6 +9,10 @@
 
 namespace fused_ops {
 
+at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
 SampleSums SampleSumTensors::view(const ConvGeometry& g) const {
   SampleSums s;
   s.x_red = x_red.data_ptr<double>();
@@ -79,7 +83,7 @@ SampleSumTensors sample_sums(const Backend& backend, const at::Tensor& x, const 
 
 // A contiguous tensor of `t`'s values in `dtype`: `t` itself where it is one.
 at::Tensor contiguous_as(const c10::optional<at::Tensor>& t, at::ScalarType dtype) {
-  return t.has_value() && t->defined() ? t->to(dtype).contiguous() : at::Tensor();
+  return t.has_value() && t->defined() ? as_dtype(*t, dtype).contiguous() : at::Tensor();
 }
 
 // The sums and, in training, the energy: everything the finalize needs from x.
@@ -100,7 +104,7 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
   // The direct statistics that need no sums of x, where the device has them.
   if (training && energy_algo == EnergyAlgo::Direct && backend.direct_stats) {
     auto [energy, sample_sums] =
-        backend.direct_stats(x_in.to(energy_dtype).contiguous(), contiguous_as(weight_in, energy_dtype), g);
+        backend.direct_stats(as_dtype(x_in, energy_dtype).contiguous(), contiguous_as(weight_in, energy_dtype), g);
     if (energy.defined()) {
       in.energy = std::move(energy);
       in.sample_sums = std::move(sample_sums);
@@ -112,7 +116,7 @@ void reduce_input(const Backend& backend, const at::Tensor& x_in, const at::Tens
   // The box sums' contraction: as one batched GEMM here, or in the finalize (dispatch.h).
   if (box_sums_by_gemm(g)) in.sample_sums = sample_conv_sums(in.sums, g);
   if (!training) return;
-  const at::Tensor x = x_in.to(energy_dtype);  // same layout
+  const at::Tensor x = as_dtype(x_in, energy_dtype);  // same layout
   const at::Tensor weight = contiguous_as(weight_in, energy_dtype);
   in.energy = energy_of(backend, energy_algo, x, weight, in.sums, g);
 }
@@ -175,7 +179,7 @@ at::Tensor ct_bn_pool_forward(const Backend& backend, const at::Tensor& x,
   auto out = at::empty({g.batch, g.out_channels, 1, 1, 1}, x.options().dtype(finalize_dtype));
   backend.finalize(in, g, out);
   copy_back_running_stats(in, running_mean, running_var);
-  return out.to(x.scalar_type());
+  return as_dtype(out, x.scalar_type());
 }
 
 std::tuple<at::Tensor, at::Tensor> ct_bn_pool_stats_forward(
@@ -216,7 +220,7 @@ at::Tensor ct_bn_pool_apply_forward(const Backend& backend, const at::Tensor& sa
                        sample_sums.options().dtype(finalize_dtype));
   backend.finalize(in, g, out);
   copy_back_running_stats(in, running_mean, running_var);
-  return out.to(dtype);
+  return as_dtype(out, dtype);
 }
 
 }  // namespace fused_ops
