@@ -275,22 +275,28 @@ def test_compiled_module_with_parameters_requiring_grad_trains(training, device)
                                       backend="inductor")
 
 
-# Kernel = stride: one tap per output position, the conv-free "gram" route.
-ONE_TAP_PROBLEM = Problem(2, 3, 16, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(stride=2))
+# The conv-free routes: kernel = stride, one tap per output position ("gram"); stride 1
+# without padding ("spectral").
+CONV_FREE_PROBLEMS = {
+    "gram": Problem(2, 3, 16, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(stride=2)),
+    "spectral": Problem(2, 3, 5, (3, 4, 5), (2, 3, 2), conv_kwargs=dict(dilation=(1, 2, 1))),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiled_conv_free_training_step_matches_float64(device):
-    """"gram" under torch.compile (fullgraph, inductor): the forward's ct_bn_pool_stats and
-    ct_bn_pool_apply, whose statistics the backward's _ct_bn_pool_kept_backward reads without
-    y; output and every gradient against the float64 unfused modules."""
-    reference, module = make_models(ONE_TAP_PROBLEM, torch.float64, device)
-    x = make_input(ONE_TAP_PROBLEM, torch.float64, offset=2.0)
-    grad_out = torch.randn(x.shape[0], ONE_TAP_PROBLEM.out_channels, 1, 1, 1,
-                           dtype=torch.float64)
+@pytest.mark.parametrize("route", list(CONV_FREE_PROBLEMS))
+def test_compiled_conv_free_training_step_matches_float64(route, device):
+    """The conv-free routes under torch.compile (fullgraph, inductor): the forward's
+    ct_bn_pool_stats and ct_bn_pool_apply, whose statistics the backward reads without y
+    ("gram": _ct_bn_pool_kept_backward; "spectral": its slabs, x's gradient spectrum written
+    over x's); output and every gradient against the float64 unfused modules."""
+    problem = CONV_FREE_PROBLEMS[route]
+    reference, module = make_models(problem, torch.float64, device)
+    x = make_input(problem, torch.float64, offset=2.0)
+    grad_out = torch.randn(x.shape[0], problem.out_channels, 1, 1, 1, dtype=torch.float64)
     want_out, want = run_backward(reference, x, grad_out)
-    with fresh_compile(), fused_ops.testing.route(backward="gram"):
+    with fresh_compile(), fused_ops.testing.route(backward=route):
         out, got = run_backward(torch.compile(module, fullgraph=True), x.to(device),
                                 grad_out.to(device))
     assert relerr(out.cpu(), want_out) <= TOL[torch.float64]
