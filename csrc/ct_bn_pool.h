@@ -11,12 +11,12 @@
 
 namespace fused_ops {
 
-// Device-independent pieces, written with ATen ops.
-// [B, Ci, taps] double: sums of x over the boxes whose taps land inside the
-// cropped output (docs/math.md §2.2); used when padding > 0.
 // `t` in `dtype`: `t` itself where it has it (no dispatcher call: the eval call's host time).
 at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype);
 
+// Device-independent pieces, written with ATen ops.
+// [B, Ci, taps] double: sums of x over the boxes whose taps land inside the
+// cropped output (docs/math.md §2.2); used when padding > 0.
 at::Tensor box_sums(const Backend& backend, const at::Tensor& x, const ConvGeometry& g);
 // [B, Co, 1] double energy via ATen's convolution over slices of the batch
 // (docs/math.md §3.2).

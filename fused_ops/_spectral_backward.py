@@ -78,8 +78,9 @@ class Grid:
         self.complex = torch.complex128 if compute == torch.float64 else torch.complex64
         self.bases = _bases(self.full, weight, conv["dilation"], self.complex, x.device)
         self.plane = self.bases[1].shape[0] * self.bases[2].shape[0]  # bins per row
-        # The inverse DFT's bases [taps, bins]; the last dimension's counts each half-spectrum
-        # bin as often as the full spectrum holds it (folded here, not a pass over a slab).
+        # The inverse DFT's bases [taps, bins]; the last dimension's also counts each bin of
+        # the half spectrum as often as the full spectrum holds it (here, not in a pass over
+        # each slab).
         e0, e1, e2 = (b.conj().t() for b in self.bases)
         self.inverse = (e0, e1, e2 * _half_weights(self.full[2], x.device, compute))
         spectrum = torch.fft.rfftn(x.to(compute), s=self.full, dim=(2, 3, 4))
@@ -147,13 +148,9 @@ def k_part(grid: Grid, k: Tensor, centered_sums: Tensor, x_size, need_x: bool,
     groups = grid.groups
     k = k.to(grid.complex).view(groups, 1, 1, -1)  # on y's [G, F, B, O]
     dc = centered_sums.view(-1, groups, grid.out_group).transpose(0, 1)  # [G, B, O]
-    # x's gradient spectrum, [G, F, B, I], filled slab by slab. Once a slab is done its part of
-    # x's spectrum is read no more, so the gradient takes its place (one spectrum-sized tensor
-    # instead of two), except where a double backward differentiates through x's spectrum.
-    x_spectral_grad = None
-    if need_x:
-        x_spectral_grad = (grid.x_spectrum if not torch.is_grad_enabled()
-                           else torch.empty_like(grid.x_spectrum))
+    # x's gradient spectrum, [G, F, B, I], is written over x's slab by slab: once a slab is done
+    # its part of x's spectrum is read no more (one spectrum-sized tensor instead of two). No
+    # double backward differentiates this (the route rule takes "aten" there).
     w_grad = None
     for start, stop in grid.slabs():
         xs, ws, y = grid.product(start, stop)
@@ -164,10 +161,10 @@ def k_part(grid: Grid, k: Tensor, centered_sums: Tensor, x_size, need_x: bool,
             taps = grid.taps(torch.matmul(xs.mH, ky), start, stop)
             w_grad = taps if w_grad is None else w_grad + taps
         if need_x:
-            x_spectral_grad[:, start * grid.plane:stop * grid.plane] = torch.matmul(ky, ws.mH)
+            xs.copy_(torch.matmul(ky, ws.mH))
     x_grad = None
     if need_x:
-        spectrum = x_spectral_grad.unflatten(1, (*grid.full[:2], -1))
+        spectrum = grid.x_spectrum.unflatten(1, (*grid.full[:2], -1))
         spectrum = spectrum.permute(4, 0, 5, 1, 2, 3).flatten(1, 2)  # [B, Ci, n0, n1, n2h]
         full = torch.fft.irfftn(spectrum, s=grid.full, dim=(2, 3, 4))
         x_grad = full[:, :, :x_size[0], :x_size[1], :x_size[2]]
