@@ -2,8 +2,8 @@
 reached by at most one tap: padding 0 and ``dilation (k - 1) < stride`` in every dimension,
 kernel = stride upsampling among them (docs/math.md §6.2.3). Where the forward kept the
 batch's statistics the route runs in C++ (``_ct_bn_pool_kept_backward`` without y,
-``csrc/gram/gram.cpp``); ``k_part`` here is its differentiable form, for a double backward and
-for synchronized statistics.
+``csrc/gram/gram.cpp``); ``k_part`` here is the same algebra in ATen ops, for a forward that
+kept no statistics (a forced algorithm) and for synchronized statistics.
 
 There a tap t and an input position i name one output position, so
 ``y[b, c, (i, t)] = sum_ci x[b, ci, i] W_t[ci, c]`` and the gradients of
