@@ -9,8 +9,10 @@ grid as large as the full output (where the transposed convolution is a product 
 wraps), ``Y = W X`` per frequency, the x gradient is ``conj(W) K Y`` and the weight gradient
 is x's cross-spectrum with ``K Y`` read back at the kernel's taps. y is never formed in
 space; the grid is walked in slabs of its first dimension, so that neither the weight's
-spectrum nor Y is ever whole. y's statistics and per-sample sums are the forward's
-(``ct_bn_pool_stats``, float64), recomputed: the op saves nothing of them.
+spectrum nor Y is ever whole, and x's gradient spectrum is written over x's as the slabs are
+done. y's statistics and per-sample sums (float64) are those the forward kept
+(``_kept_output.forward_statistics``), or ``ct_bn_pool_stats``'s where it kept none (a forced
+algorithm, synchronized statistics).
 
 ATen ops only (AOTAutograd traces them). Complex in the compute dtype (float32 for float16,
 bfloat16 and float32 inputs; float64 for float64).

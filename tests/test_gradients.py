@@ -375,6 +375,15 @@ def test_training_backward_is_conv_free(route, requested, monkeypatch):
         _assert_conv_free_backward(out, inputs, bound)
 
 
+def _float64_inputs(c_out, kernel):
+    """(x [2, 2, 2, 3, 2], weight, bias, bn_weight, bn_bias), float64, requiring grad."""
+    kw = dict(dtype=torch.float64, requires_grad=True)
+    return (torch.randn(2, 2, 2, 3, 2, **kw), torch.randn(2, c_out, *kernel, **kw),
+            torch.randn(c_out, **kw),
+            (torch.rand(c_out, dtype=torch.float64) + 0.5).requires_grad_(),
+            torch.randn(c_out, **kw))
+
+
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
 @pytest.mark.parametrize("scale", [1.5, -0.5])
 def test_gradcheck(training, scale):
@@ -386,10 +395,7 @@ def test_gradcheck(training, scale):
     function of the differentiated inputs, as gradcheck assumes. A large eps (0.3) makes its
     part of each gradient visible.
     """
-    kw = dict(dtype=torch.float64, requires_grad=True)
-    inputs = (torch.randn(2, 2, 2, 3, 2, **kw), torch.randn(2, 3, 2, 1, 2, **kw),
-              torch.randn(3, **kw), (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_(),
-              torch.randn(3, **kw))
+    inputs = _float64_inputs(3, (2, 1, 2))
     running_mean, running_var = torch.randn(3, dtype=torch.float64), torch.rand(3).double() + 0.5
 
     def pooled(x, weight, bias, bn_weight, bn_bias):
@@ -399,13 +405,6 @@ def test_gradcheck(training, scale):
 
     assert gradcheck(pooled, inputs)
     assert gradgradcheck(pooled, inputs)  # the backward is made of differentiable ATen ops
-
-
-def _double_backward_inputs(c_out):
-    kw = dict(dtype=torch.float64, requires_grad=True)
-    return (torch.randn(2, 2, 2, 3, 2, **kw), torch.randn(2, c_out, 2, 2, 2, **kw),
-            torch.randn(c_out, **kw), (torch.rand(c_out, dtype=torch.float64) + 0.5).requires_grad_(),
-            torch.randn(c_out, **kw))
 
 
 # (route forced or "auto", conv options): "auto" there takes "gram" in a first backward (one
@@ -418,7 +417,7 @@ def test_double_backward_of_a_conv_free_geometry(route, conv):
     """A backward that is differentiated (create_graph) takes the recomputed convolution where
     a first backward takes a conv-free route (whose statistics have no derivative), so
     gradgradcheck holds under "auto"; a conv-free route forced there refuses with its reason."""
-    inputs = _double_backward_inputs(8)
+    inputs = _float64_inputs(8, (2, 2, 2))
     running_mean, running_var = torch.randn(8, dtype=torch.float64), torch.rand(8).double() + 0.5
     geometry = {"stride": [conv.get("stride", 1)] * 3, "padding": [0] * 3,
                 "output_padding": [0] * 3, "dilation": [1] * 3, "groups": 1}
