@@ -50,6 +50,16 @@ struct FinalizeInputs {
   bool batch_stats = true;
 };
 
+// The kept route's gradient coefficients (kept/affine_grad.h): grad_out [B, Co], bn_weight [Co]
+// (or undefined) in the compute dtype, sample_sums [B, Co] and stats [3, Co] double, all
+// contiguous; the outputs, allocated by the caller in the compute dtype, are written (field,
+// shift and k undefined where no gradient of y is asked, shift also where it is not needed).
+struct AffineGradInputs {
+  at::Tensor grad_out, bn_weight, sample_sums, stats;
+  at::Tensor g_sum, g_zbar, field, shift, k;
+  double scale = 1, eps = 1, positions = 1;
+};
+
 // What differs between devices: the hooks a device provides, each named; the orchestration in
 // ct_bn_pool.cpp is shared. A device defines its Backend by assigning every hook by name
 // (cpu/backend_cpu.cpp, cuda/backend_cuda.cpp); a hook a device does not have is null there,
@@ -142,6 +152,12 @@ struct Backend {
   // null: none (energy_direct with the sums).
   std::pair<at::Tensor, at::Tensor> (*direct_stats)(const at::Tensor& x, const at::Tensor& weight,
                                                     const ConvGeometry& g) = nullptr;
+  // The kept route (kept/kept.cpp, docs/math.md §6.2.4). sample_moments: y [B, Co, ...]
+  // (contiguous, any floating dtype) -> ([B, Co] each sample's sum, [B, Co, 1] its centred sum
+  // of squares), double, two passes over y (no cancellation); affine_grad: AffineGradInputs'
+  // outputs from its inputs.
+  std::pair<at::Tensor, at::Tensor> (*sample_moments)(const at::Tensor& y) = nullptr;
+  void (*affine_grad)(const AffineGradInputs& in) = nullptr;
   // x's spectrum's kernels: a DFT without the FFT, or the copies around it (x_spectrum.h).
   SpectrumKernels spectrum_kernels;
 };

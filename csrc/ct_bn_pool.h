@@ -118,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_stats_forward(
 // sample sums and statistics (docs/math.md §6.2.4), or without y from the sums and statistics
 // alone where one tap reaches each output position (gram_gradients).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_backward(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const Backend& backend, const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
     const c10::optional<at::Tensor>& bn_weight, const c10::optional<at::Tensor>& y,
     const at::Tensor& sample_sums, const at::Tensor& stats, double scale, double eps,
     at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef output_padding,
@@ -204,6 +204,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_stats_kernel(
                                        dilation, groups);
 }
 
+template <const Backend& backend>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_backward_kernel(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& weight,
+    const c10::optional<at::Tensor>& bn_weight, const c10::optional<at::Tensor>& y,
+    const at::Tensor& sample_sums, const at::Tensor& stats, double scale, double eps,
+    at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef output_padding,
+    at::IntArrayRef dilation, int64_t groups, std::array<bool, 2> output_mask) {
+  return ct_bn_pool_kept_backward(backend, grad_out, x, weight, bn_weight, y, sample_sums, stats,
+                                  scale, eps, stride, padding, output_padding, dilation, groups,
+                                  output_mask);
+}
+
 // Registers the ops' kernels of one device (TORCH_LIBRARY_IMPL of each backend; Library:
 // torch::Library, whose header only the backends' registration units include).
 template <const Backend& backend, typename Library>
@@ -214,7 +226,7 @@ void register_kernels(Library& m) {
   m.impl("ct_bn_pool_apply", &ct_bn_pool_apply_kernel<backend>);
   m.impl("ct_bn_pool_apply.no_stats", &ct_bn_pool_apply_no_stats_kernel<backend>);
   m.impl("_ct_bn_pool_kept_stats", &ct_bn_pool_kept_stats_kernel<backend>);
-  m.impl("_ct_bn_pool_kept_backward", &ct_bn_pool_kept_backward);
+  m.impl("_ct_bn_pool_kept_backward", &ct_bn_pool_kept_backward_kernel<backend>);
 }
 
 }  // namespace fused_ops

@@ -40,8 +40,7 @@ def can_keep(call: dict) -> bool:
 
 
 def _check(call: dict) -> None:
-    """The op's checks (its fake kernel's statement of csrc/validate.cpp), before anything
-    runs: bad input fails with the op's messages, and nothing is written."""
+    """The op's checks (its fake kernel's statement of csrc/validate.cpp)."""
     _fake._validate_inputs(
         call["x"], call["weight"], call["bias"], call["bn_weight"], call["bn_bias"],
         call["running_mean"], call["running_var"], call["training"], call["eps"],
@@ -54,17 +53,27 @@ def _apply(call: dict, sums: Tensor, stats: Tensor, positions: int) -> Tensor:
     ``stats`` (ct_bn_pool_apply); ``positions``: the convolution output's spatial size."""
     args = (sums, stats, positions, call["bias"], call["scale"], call["bn_weight"],
             call["bn_bias"])
-    if call["running_mean"] is None:
-        return torch.ops.fused_ops.ct_bn_pool_apply.no_stats(*args, call["eps"], call["x"].dtype)
-    return torch.ops.fused_ops.ct_bn_pool_apply(
-        *args, call["running_mean"], call["running_var"], call["momentum"], call["eps"],
-        call["x"].dtype)
+    try:
+        if call["running_mean"] is None:
+            return torch.ops.fused_ops.ct_bn_pool_apply.no_stats(*args, call["eps"],
+                                                                 call["x"].dtype)
+        return torch.ops.fused_ops.ct_bn_pool_apply(
+            *args, call["running_mean"], call["running_var"], call["momentum"], call["eps"],
+            call["x"].dtype)
+    except (RuntimeError, ValueError):
+        _check(call)  # the op's own message where the op refuses the call
+        raise
 
 
 def forward(call: dict) -> tuple:
     """(out, (y, sample_sums, stats)): the op's output and running-statistics update, computed
-    through y, and what the backward keeps."""
-    _check(call)
+    through y, and what the backward keeps.
+
+    Bad input fails as the op fails, and nothing is written: the statistics' op checks x, the
+    weight and the geometry as the op does (csrc/validate.cpp), ct_bn_pool_apply the rest
+    before it writes the running statistics, and where it refuses, :func:`_check` raises the
+    op's own wording (apply's names its own arguments). Checks in Python up front would cost
+    every call their host time."""
     y, sums, stats = torch.ops.fused_ops._ct_bn_pool_kept_stats(
         call["x"], call["weight"], **conv_options(call))
     return _apply(call, sums, stats, y.shape[2] * y.shape[3] * y.shape[4]), (y, sums, stats)
@@ -72,13 +81,16 @@ def forward(call: dict) -> tuple:
 
 def forward_statistics(call: dict) -> tuple:
     """(out, (sample_sums, stats)): the op's output and running-statistics update from its own
-    statistics (ct_bn_pool_stats, the algorithm ``auto`` picks), which the backward keeps."""
-    _check(call)
+    statistics (ct_bn_pool_stats, the algorithm ``auto`` picks), which the backward keeps;
+    checked as :func:`forward`, but for one value per channel, which the statistics' op takes
+    (a process's share of a synchronized batch may be one value) and the op refuses."""
     conv = conv_options(call)
     sums, stats = torch.ops.fused_ops.ct_bn_pool_stats(call["x"], call["weight"], **conv)
-    size = out_size(call["x"], call["weight"], conv["stride"], conv["padding"],
-                    conv["output_padding"], conv["dilation"])
-    return _apply(call, sums, stats, math.prod(size)), (sums, stats)
+    positions = math.prod(out_size(call["x"], call["weight"], conv["stride"], conv["padding"],
+                                   conv["output_padding"], conv["dilation"]))
+    if call["x"].shape[0] * positions == 1:
+        _check(call)
+    return _apply(call, sums, stats, positions), (sums, stats)
 
 
 def backward(ctx, grad_out: Tensor, needs: dict, x: Tensor, weight: Tensor, bn_weight,

@@ -54,15 +54,16 @@ def no_stats_and_the_split_ops():
     assert torch.isfinite(out).all()
 
 
-def training_step(batch, ci, co, size, kernel, backward="auto", **conv):
+def training_step(batch, ci, co, size, kernel, backward="auto", dtype=torch.float32, **conv):
     """A training step where gradients flow: on a padded problem, the "kept" route's ops
-    (csrc/kept/kept.cpp: the statistics of y through the finalize, and its backward); with
+    (csrc/kept/kept.cpp: y's moments, the finalize, the gradient coefficients and the
+    backward; the moments in each dtype of y, the coefficients in float32 and float64); with
     one tap per output position and `backward` "gram", its backward from the kept statistics
     (csrc/gram/gram.cpp)."""
     if not mine():
         return
-    m = fused_ops.ConvTransposeBNPool3d(ci, co, kernel, 2.0, **conv).cuda()
-    x = torch.randn(batch, ci, *size, device="cuda", requires_grad=True)
+    m = fused_ops.ConvTransposeBNPool3d(ci, co, kernel, 2.0, **conv).cuda().to(dtype)
+    x = torch.randn(batch, ci, *size, device="cuda", dtype=dtype, requires_grad=True)
     with fused_ops.testing.route(backward=backward):
         m(x).square().sum().backward()
     torch.cuda.synchronize()
@@ -72,6 +73,8 @@ def training_step(batch, ci, co, size, kernel, backward="auto", **conv):
 training_step(3, 5, 6, (3, 4, 5), 3, padding=1)
 training_step(2, 6, 9, (5, 3, 4), 3, stride=2, padding=1, output_padding=1, groups=3)
 training_step(3, 6, 4, (3, 4, 5), 2, backward="gram", stride=2, groups=2)
+training_step(2, 4, 6, (3, 4, 5), 3, dtype=torch.float64, padding=1)
+training_step(2, 4, 6, (3, 4, 5), 3, dtype=torch.bfloat16, padding=1)
 for training in (False, True):
     for algo in ("direct", "sliced_conv"):
         run(3, 5, 19, (3, 4, 5), (2, 3, 2), training, algo)

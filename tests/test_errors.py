@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fused_ops
+import fused_ops.testing
 from conftest import (DEVICES, Problem, make_dtype_models, make_input, make_models,
                       op_conv_options)
 from fused_ops import distributed
@@ -11,10 +12,10 @@ from fused_ops import distributed
 P = Problem(2, 4, 6, (3, 4, 5), (2, 3, 2))
 
 
-def arguments(device):
-    _, fused = make_models(P, torch.float32, device)
+def arguments(device, problem=P):
+    _, fused = make_models(problem, torch.float32, device)
     bn, conv = fused.batch_norm, fused.conv_transpose
-    return dict(x=make_input(P, torch.float32, device), weight=conv.weight.detach(),
+    return dict(x=make_input(problem, torch.float32, device), weight=conv.weight.detach(),
                 bias=conv.bias.detach(), scale=2.0, bn_weight=bn.weight.detach(),
                 bn_bias=bn.bias.detach(), running_mean=bn.running_mean,
                 running_var=bn.running_var, training=True, momentum=0.1, eps=1e-5)
@@ -82,6 +83,30 @@ def test_rejected_call_mutates_nothing(case, autograd, device):
         fused_ops.ct_bn_pool(**a)
     assert torch.equal(kept_mean, mean) and torch.equal(kept_var, var)
     assert (kept_mean._version, kept_var._version) == versions
+
+
+# One tap per output position: the conv-free routes' forward, the op's statistics and then
+# ct_bn_pool_apply (fused_ops/_kept_output.py), each with its own checks.
+ONE_TAP = Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(stride=2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["bias_shape", "bn_weight_shape", "bn_bias_dtype",
+                                  "running_mean_shape", "running_var_missing", "negative_eps",
+                                  "zero_eps_in_training", "one_value_per_channel"])
+def test_rejected_call_mutates_nothing_on_a_conv_free_route(case, device):
+    """A forward that keeps the statistics for a conv-free backward ("gram", forced) refuses
+    as the op does: its message, nothing modified, no version bump."""
+    a = arguments(device, ONE_TAP)
+    mutate, error, message = CASES[case]
+    stats = a["running_mean"], a["running_var"]
+    values, versions = [s.clone() for s in stats], [s._version for s in stats]
+    mutate(a)
+    a["weight"] = a["weight"].detach().requires_grad_()
+    with fused_ops.testing.route(backward="gram"), pytest.raises(error, match=message):
+        fused_ops.ct_bn_pool(**a, stride=2)
+    assert all(torch.equal(s, v) for s, v in zip(stats, values))
+    assert [s._version for s in stats] == versions
 
 
 @pytest.mark.cuda

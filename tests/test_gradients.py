@@ -283,6 +283,29 @@ def test_cpu_training_step_forms_the_convolution_once(problem):
         assert sorted(n for n in names if n in ours | convolutions) == sorted(once), (route, names)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_kept_route_calls_few_aten_ops(device):
+    """Host time (docs/performance.md): around their convolution the kept route's two ops run
+    two kernels of ours (y's moments, the per-channel gradient coefficients), not the dozens of
+    per-channel ATen ops whose dispatcher calls cost the small layers more than the
+    convolution. Counted: the ATen ops each op calls itself, in a profiled step."""
+    p = PROBLEMS[4]
+    _, fused = make_models(p, torch.float32)
+    fused = fused.to(device)
+    x = make_input(p, torch.float32).to(device).requires_grad_()
+    fused(x).sum().backward()  # warm-up: the first call's lazy initialization
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fused(x).sum().backward()
+    calls = {}
+    for event in prof.events():
+        if event.name.startswith("fused_ops::_ct_bn_pool_kept_"):
+            calls[event.name] = sorted(child.name for child in event.cpu_children)
+    assert set(calls) == {"fused_ops::_ct_bn_pool_kept_stats", "fused_ops::_ct_bn_pool_kept_backward"}
+    for name, children in calls.items():
+        assert len(children) <= 12, (name, children)
+    assert "aten::convolution_backward" in calls["fused_ops::_ct_bn_pool_kept_backward"]
+
+
 @pytest.mark.parametrize("route", ["gram", "spectral"])
 def test_conv_free_step_computes_the_statistics_once(route):
     """A forward whose backward takes a conv-free route keeps the batch's sums and statistics

@@ -12,6 +12,7 @@
 #include "ct_bn_pool.h"
 #include "direct/direct.h"
 #include "dispatch.h"
+#include "kept/affine_grad_args.h"
 #include "sums/finalize_args.h"
 
 namespace fused_ops {
@@ -108,6 +109,54 @@ void finalize_cpu(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& o
   });
 }
 
+// The sum of f(r[p]) over a row, in float64 with eight independent partial sums: one sum
+// would chain every add on the one before it (the latency of an add per element), which made
+// the moments cost more than ATen's vectorized reductions on large rows.
+template <typename T, typename F>
+double row_sum(const T* r, int64_t n, F f) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t p = 0;
+  for (; p + 8 <= n; p += 8) {
+    for (int u = 0; u < 8; ++u) acc[u] += f(static_cast<double>(r[p + u]));
+  }
+  for (; p < n; ++p) acc[0] += f(static_cast<double>(r[p]));
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// Backend::sample_moments: each (sample, channel) row of y summed, then its squares about its
+// mean, in float64.
+std::pair<at::Tensor, at::Tensor> sample_moments_cpu(const at::Tensor& y) {
+  TORCH_CHECK(y.is_contiguous(), "sample_moments_cpu: y must be contiguous");
+  const int64_t batch = y.size(0), channels = y.size(1), rows = batch * channels;
+  const auto opts = y.options().dtype(at::kDouble);
+  at::Tensor sums = at::empty({batch, channels}, opts), m2 = at::empty({batch, channels, 1}, opts);
+  if (rows == 0) return {sums, m2};
+  const int64_t positions = y.numel() / rows;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "sample_moments_cpu", [&] {
+    const scalar_t* data = y.const_data_ptr<scalar_t>();
+    double* s_out = sums.data_ptr<double>();
+    double* q_out = m2.data_ptr<double>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / positions), [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const scalar_t* r = data + row * positions;
+        const double s = row_sum(r, positions, [](double v) { return v; });
+        const double mean = s / static_cast<double>(positions);
+        s_out[row] = s;
+        q_out[row] = row_sum(r, positions, [mean](double v) { return (v - mean) * (v - mean); });
+      }
+    });
+  });
+  return {sums, m2};
+}
+
+// Backend::affine_grad: the per-channel routine (kept/affine_grad.h) in a loop.
+void affine_grad_cpu(const AffineGradInputs& in) {
+  AT_DISPATCH_FLOATING_TYPES(in.grad_out.scalar_type(), "affine_grad_cpu", [&] {
+    const auto args = affine_grad_args<scalar_t>(in);
+    for (int64_t c = 0; c < args.channels; ++c) affine_grad_channel(args, c);
+  });
+}
+
 // The CPU runs a call's work as it is issued, and has no graph memory pool to keep out of.
 bool build_tables_apart_cpu(const at::Device&, c10::function_ref<void()> build) {
   build();
@@ -135,6 +184,8 @@ const Backend kCpuBackend = [] {
   b.line_columns = line_columns_aten;
   b.box_sums = nullptr;  // box_sums' einsums serve the CPU
   b.direct_stats = nullptr;  // the direct energy takes x's sums (energy_direct)
+  b.sample_moments = sample_moments_cpu;
+  b.affine_grad = affine_grad_cpu;
   b.spectrum_kernels = kAtenSpectrumKernels;
   return b;
 }();

@@ -11,6 +11,7 @@
 #include "direct/cuda/direct_kernels.h"
 #include "cross_spectrum/cuda/cross_spectrum_kernels.h"
 #include "border/cuda/border_kernels.h"
+#include "kept/cuda/kept_kernels.h"
 #include "x_spectrum/cuda/x_spectrum_kernels.h"
 #include "common/cuda/build_apart.h"
 #include "dispatch.h"
@@ -100,6 +101,8 @@ const Backend kCudaBackend = [] {
   b.line_columns = line_columns_cuda;
   b.box_sums = box_sums_cuda;
   b.direct_stats = direct_stats_cuda;
+  b.sample_moments = sample_moments_cuda;
+  b.affine_grad = affine_grad_cuda;
   b.spectrum_kernels = kCudaSpectrumKernels;
   return b;
 }();
