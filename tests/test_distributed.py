@@ -599,10 +599,15 @@ def _eval_backward_collectives(calls):
     return list(calls)
 
 
+# Seconds a gloo group may take, and its collectives wait (run_group).
+GROUP_TIMEOUT_S = 300
+
+
 def _worker(rank, world, port, batches, out_dir):
     if os.path.isdir("/sys/class/net/lo"):  # gloo's transport on loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    timeout = datetime.timedelta(seconds=60)
+    # A collective waits for the slowest rank's compile (see run_group).
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     try:
@@ -626,11 +631,13 @@ def _worker(rank, world, port, batches, out_dir):
         dist.destroy_process_group()
 
 
-def run_group(batches, out_dir, timeout_s=120):
-    """Runs _worker on len(batches) processes; fails instead of hanging."""
+def run_group(batches, out_dir, timeout_s=GROUP_TIMEOUT_S):
+    """Runs _worker on len(batches) processes; fails instead of hanging. A group compiles
+    models on every rank: alone it takes well under a minute, but beside a pytest-xdist run of
+    the whole suite (the GPU machine's) it took more than two."""
     # The store's server lives here, on a port the OS picked (bound to port 0).
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+                          timeout=datetime.timedelta(seconds=timeout_s))
     world = len(batches)
     context = mp.spawn(_worker, args=(world, store.port, batches, str(out_dir)), nprocs=world,
                        join=False)
