@@ -57,10 +57,6 @@ at::Tensor energy_of(const Backend& backend, EnergyAlgo algo, const at::Tensor& 
   return {};
 }
 
-at::Tensor weight_sums_aten(const at::Tensor& weight) {
-  return weight.reshape({weight.size(0), weight.size(1), -1}).sum(2, true, at::kDouble);
-}
-
 SampleSumTensors training_sample_sums(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
                                       const at::Tensor& weight, const ConvGeometry& g) {
   // x's sums out of the spectrum's pass over x (x_spectrum's channel sums) where it pays.

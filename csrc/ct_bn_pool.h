@@ -58,8 +58,6 @@ at::Tensor energy_of(const Backend& backend, EnergyAlgo algo, const at::Tensor& 
 // Shared by the call and energy_border's terms.
 SampleSumTensors training_sample_sums(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
                                       const at::Tensor& weight, const ConvGeometry& g);
-// Backend::weight_sums with ATen's sum (the CPU's).
-at::Tensor weight_sums_aten(const at::Tensor& weight);
 // Backend::cross_spectrum_rows and Backend::lag_stage with ATen's batched GEMMs (the CPU's).
 at::Tensor cross_spectrum_rows_aten(const at::Tensor& x_spec, int64_t fd0, int64_t count,
                                     const at::Tensor& coef, int64_t groups);

@@ -54,15 +54,17 @@ def _apply(call: dict, sums: Tensor, stats: Tensor, positions: int) -> Tensor:
     args = (sums, stats, positions, call["bias"], call["scale"], call["bn_weight"],
             call["bn_bias"])
     try:
-        if call["running_mean"] is None:
+        # Both None: the overload without them; one alone goes to apply, which refuses it.
+        if call["running_mean"] is None and call["running_var"] is None:
             return torch.ops.fused_ops.ct_bn_pool_apply.no_stats(*args, call["eps"],
                                                                  call["x"].dtype)
         return torch.ops.fused_ops.ct_bn_pool_apply(
             *args, call["running_mean"], call["running_var"], call["momentum"], call["eps"],
             call["x"].dtype)
-    except (RuntimeError, ValueError):
-        _check(call)  # the op's own message where the op refuses the call
-        raise
+    except (RuntimeError, ValueError) as error:
+        refused = error
+    _check(call)  # the op's own message where the op refuses the call, not chained to apply's
+    raise refused
 
 
 def forward(call: dict) -> tuple:

@@ -46,6 +46,7 @@ CASES = {
     "running_mean_shape": (lambda a: a.update(running_mean=torch.zeros(7, device=a["x"].device)),
                            RuntimeError, "running_mean"),
     "running_var_missing": (lambda a: a.update(running_var=None), ValueError, "together"),
+    "running_mean_missing": (lambda a: a.update(running_mean=None), ValueError, "together"),
     "negative_eps": (lambda a: a.update(eps=-1e-3), ValueError, "eps must be positive"),
     # (eps = 0 is accepted in eval mode, as F.batch_norm does)
     "zero_eps_in_training": (lambda a: a.update(eps=0.0), ValueError, "eps must be positive"),
@@ -92,7 +93,8 @@ ONE_TAP = Problem(2, 4, 6, (3, 4, 5), (2, 2, 2), conv_kwargs=dict(stride=2))
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["bias_shape", "bn_weight_shape", "bn_bias_dtype",
-                                  "running_mean_shape", "running_var_missing", "negative_eps",
+                                  "running_mean_shape", "running_var_missing",
+                                  "running_mean_missing", "negative_eps",
                                   "zero_eps_in_training", "one_value_per_channel"])
 def test_rejected_call_mutates_nothing_on_a_conv_free_route(case, device):
     """A forward that keeps the statistics for a conv-free backward ("gram", forced) refuses

@@ -88,11 +88,42 @@ at::Tensor spatial_sums_cpu(const at::Tensor& x) {
   return x_red;
 }
 
+// The sum of f(r[p]) over a row, in float64 with eight independent partial sums: one sum
+// would chain every add on the one before it (the latency of an add per element), which made
+// the moments cost more than ATen's vectorized reductions on large rows.
+template <typename T, typename F>
+double row_sum(const T* r, int64_t n, F f) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t p = 0;
+  for (; p + 8 <= n; p += 8) {
+    for (int u = 0; u < 8; ++u) acc[u] += f(static_cast<double>(r[p + u]));
+  }
+  for (; p < n; ++p) acc[0] += f(static_cast<double>(r[p]));
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// Backend::weight_sums: each weight[ci, co] summed over its taps in float64, [Ci, Cog, 1]: one
+// loop where ATen's flatten, conversion and sum took six dispatcher calls, most of a small eval
+// call's host time.
+at::Tensor weight_sums_cpu(const at::Tensor& weight_in) {
+  const at::Tensor weight = weight_in.contiguous();  // itself where it is (the callers' weights)
+  const int64_t rows = weight.size(0) * weight.size(1), taps = weight.numel() / rows;
+  at::Tensor w_red = at::empty({weight.size(0), weight.size(1), 1}, weight.options().dtype(at::kDouble));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "weight_sums_cpu", [&] {
+    const scalar_t* w = weight.const_data_ptr<scalar_t>();
+    double* out = w_red.data_ptr<double>();
+    at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / taps), [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) out[row] = row_sum(w + row * taps, taps, [](double v) { return v; });
+    });
+  });
+  return w_red;
+}
+
 SampleSumTensors sample_sums_cpu(const at::Tensor& x, const at::Tensor& weight) {
   at::Tensor x_red;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sample_sums_cpu",
                                   [&] { x_red = spatial_sums_cpu<scalar_t>(x); });
-  return {x_red, weight.flatten(2).sum({2}, /*keepdim=*/true, at::kDouble)};
+  return {x_red, weight_sums_cpu(weight)};
 }
 
 void finalize_cpu(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& out) {
@@ -107,20 +138,6 @@ void finalize_cpu(const FinalizeInputs& in, const ConvGeometry& g, at::Tensor& o
       }
     });
   });
-}
-
-// The sum of f(r[p]) over a row, in float64 with eight independent partial sums: one sum
-// would chain every add on the one before it (the latency of an add per element), which made
-// the moments cost more than ATen's vectorized reductions on large rows.
-template <typename T, typename F>
-double row_sum(const T* r, int64_t n, F f) {
-  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t p = 0;
-  for (; p + 8 <= n; p += 8) {
-    for (int u = 0; u < 8; ++u) acc[u] += f(static_cast<double>(r[p + u]));
-  }
-  for (; p < n; ++p) acc[0] += f(static_cast<double>(r[p]));
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
 // Backend::sample_moments: each (sample, channel) row of y summed, then its squares about its
@@ -167,7 +184,7 @@ bool build_tables_apart_cpu(const at::Device&, c10::function_ref<void()> build) 
 const Backend kCpuBackend = [] {
   Backend b;
   b.sample_sums = sample_sums_cpu;
-  b.weight_sums = weight_sums_aten;
+  b.weight_sums = weight_sums_cpu;
   b.energy_direct = energy_direct_cpu;
   b.finalize = finalize_cpu;
   b.auto_energy_algo = auto_energy_algo_cpu;

@@ -63,7 +63,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ct_bn_pool_kept_backw
   // shift + k y, shift = field - k mean.
   const bool need_field = output_mask[0] || output_mask[1];
   const at::ScalarType compute = compute_dtype(x.scalar_type());
+  // The kernels read these through raw pointers: what the forward gave, checked.
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 3 && stats.scalar_type() == at::kDouble &&
+                  stats.device() == x.device(),
+              "_ct_bn_pool_kept_backward: stats must be a float64 [3, C] tensor on x's device");
   const int64_t batch = x.size(0), channels = stats.size(1);
+  TORCH_CHECK(sample_sums.dim() == 2 && sample_sums.size(0) == batch && sample_sums.size(1) == channels &&
+                  sample_sums.scalar_type() == at::kDouble && sample_sums.device() == x.device(),
+              "_ct_bn_pool_kept_backward: sample_sums must be a float64 [B, C] tensor on x's device");
+  TORCH_CHECK(grad_out.numel() == batch * channels && grad_out.device() == x.device(),
+              "_ct_bn_pool_kept_backward: grad_out must hold [B, C] values on x's device");
+  TORCH_CHECK(!bn_weight.has_value() || !bn_weight->defined() ||
+                  (bn_weight->numel() == channels && bn_weight->device() == x.device()),
+              "_ct_bn_pool_kept_backward: bn_weight must hold C values on x's device");
   AffineGradInputs in;
   in.grad_out = as_dtype(grad_out, compute).reshape({batch, channels}).contiguous();
   if (bn_weight.has_value() && bn_weight->defined()) in.bn_weight = as_dtype(*bn_weight, compute).contiguous();
