@@ -50,8 +50,8 @@ def _number_str(value):
 
 
 # A condition that is a plain True (concrete sizes) returns at once: the kept route
-# (_kept_output.py) runs these checks on eager calls too; torch._check's machinery is for
-# symbolic ones.
+# (_kept_output.py) runs these checks on eager calls an op refuses; torch._check's machinery is
+# for symbolic ones.
 def _runtime(cond, message):
     if cond is not True:
         torch._check(cond, lambda: "ct_bn_pool: " + message())

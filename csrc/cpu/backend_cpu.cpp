@@ -89,8 +89,8 @@ at::Tensor spatial_sums_cpu(const at::Tensor& x) {
 }
 
 // The sum of f(r[p]) over a row, in float64 with eight independent partial sums: one sum
-// would chain every add on the one before it (the latency of an add per element), which made
-// the moments cost more than ATen's vectorized reductions on large rows.
+// would chain every add on the one before it (the latency of an add per element), slower than
+// ATen's vectorized reductions on large rows.
 template <typename T, typename F>
 double row_sum(const T* r, int64_t n, F f) {
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -103,7 +103,7 @@ double row_sum(const T* r, int64_t n, F f) {
 }
 
 // Backend::weight_sums: each weight[ci, co] summed over its taps in float64, [Ci, Cog, 1]: one
-// loop where ATen's flatten, conversion and sum took six dispatcher calls, most of a small eval
+// loop, where ATen's flatten, conversion and sum are six dispatcher calls, most of a small eval
 // call's host time.
 at::Tensor weight_sums_cpu(const at::Tensor& weight_in) {
   const at::Tensor weight = weight_in.contiguous();  // itself where it is (the callers' weights)

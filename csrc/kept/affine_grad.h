@@ -2,9 +2,8 @@
 // The per-channel coefficients of training mode's dL/dy = field[b, c] + k[c] (y - mean[c])
 // (docs/math.md §6.2.2) and the BatchNorm's gradients, from the pooled output's gradient g and
 // the batch's sums and statistics, as one routine per channel that the CPU runs in a loop and
-// CUDA in a thread: written as the dozens of per-channel ATen ops it replaces, their
-// dispatcher calls (and CUDA launches) cost the small layers more host time than their
-// convolution.
+// CUDA in a thread: as per-channel ATen ops it would be dozens of dispatcher calls (and CUDA
+// launches), more host time on the small layers than their convolution.
 #include <cmath>
 #include <cstdint>
 

@@ -3,9 +3,9 @@
 // statistics from it and keeps it for the backward, whose gradient of y is affine in y.
 // Both halves are here in C++ rather than in Python, and what surrounds the convolution is two
 // kernels of the backend's (y's per-sample moments, the per-channel gradient coefficients of
-// kept/affine_grad.h) rather than ATen ops: on the small layers this route serves, the dozens
-// of per-channel ops around the convolution cost more host time than the convolution itself,
-// from Python and still from C++. The backward also serves a forward that kept
+// kept/affine_grad.h) rather than ATen ops: on the small layers this route serves, dozens of
+// per-channel ops around the convolution would cost more host time than the convolution
+// itself, from Python or from C++. The backward also serves a forward that kept
 // only the statistics where one tap reaches each output position: its x and weight gradients
 // are then x's Gram algebra (csrc/gram/gram.cpp), the same coefficients.
 #include "ct_bn_pool.h"

@@ -1,7 +1,7 @@
 // Each (sample, channel) row of the kept convolution output y: its sum and its centred sum of
 // squares, accumulated in float64 in two passes (the mean first, then the squares about it),
 // one block per row. The second pass reads the row again, mostly from L2: one launch and two
-// reads of y where the ATen chain (mean, difference, square, sum, conversions) took six
+// reads of y, where the same as ATen ops (mean, difference, square, sum, conversions) is six
 // launches and about five passes.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
