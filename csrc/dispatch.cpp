@@ -6,6 +6,7 @@
 #include "ct_bn_pool.h"
 #include "testing_hooks.h"
 #ifdef WITH_CUDA
+#include "direct/cuda/direct_kernels.h"
 #include "fft/cuda/fft.h"
 #endif
 
@@ -82,15 +83,20 @@ bool fft_applies_cuda(const ConvGeometry& g, at::ScalarType dtype) {
 // With a stride (padding 0) the phases' lags beat Parseval per phase, and with one lag the
 // Gram matrix's single GEMM beats the spectrum. Elsewhere the direct kernel's one launch on
 // small problems; then, at stride 1, the FFT path where it applies, or the cross-spectrum
-// where it beats it; with padding `border` where it pays; elsewhere cuDNN (strict float32)
-// over batch slices.
+// where it beats it; with padding `border` where it pays, then at stride 1 the direct kernel on
+// the float64 tensor cores (where it runs: its exact products beat cuDNN's strict float32
+// convolution on most padded layers measured); elsewhere cuDNN (strict float32) over batch
+// slices.
 EnergyAlgo auto_energy_algo_cuda(const ConvGeometry& g, at::ScalarType dtype) {
   if (!g.has_padding() && phase_count(g) > 1) {
     return single_lag(g) ? EnergyAlgo::Correlation : EnergyAlgo::CrossSpectrum;
   }
   const bool padded_stride1 = g.has_padding() && g.unit_steps();
   if (direct_work(g) <= (padded_stride1 ? T.padded_direct_max_work : T.direct_max_work)) return EnergyAlgo::Direct;
-  if (g.has_padding()) return border_pays(g) ? EnergyAlgo::Border : EnergyAlgo::SlicedConv;
+  if (g.has_padding()) {
+    if (border_pays(g)) return EnergyAlgo::Border;
+    return padded_stride1 && direct_stats_mma_takes(g, dtype) ? EnergyAlgo::Direct : EnergyAlgo::SlicedConv;
+  }
   if (!fft_applies_cuda(g, dtype)) return EnergyAlgo::SlicedConv;
   return cross_spectrum_beats_fft(g) ? EnergyAlgo::CrossSpectrum : EnergyAlgo::Fft;
 }

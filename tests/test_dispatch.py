@@ -68,18 +68,22 @@ CUDA_AUTO_CASES = [
     (2, 16, dict(stride=2, padding=1), "sliced_conv"),  # padding, 1.8e8: cuDNN over slices
     (2, 4, dict(stride=2, padding=1), "direct"),        # padding, 4.5e7: the direct kernel
     (3, 16, dict(padding=1), "direct"),          # padding at stride 1, 1.1e8: the direct kernel
+    # padding at stride 1, 4.5e8: the direct kernel's float64 tensor cores where they run (sm_90)
+    (3, 64, dict(padding=1), "direct_mma"),
 ]
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel, batch, conv_kwargs, expected", CUDA_AUTO_CASES,
                          ids=["st2", "up2", "k3", "k3-small", "padding", "padding-small",
-                              "padding-stride1"])
+                              "padding-stride1", "padding-stride1-large"])
 def test_auto_on_cuda_takes_the_measured_fastest(kernel, batch, conv_kwargs, expected):
     """CUDA auto: with a stride and padding 0 the cross-spectrum, or the correlation's single
     GEMM when every phase has one tap; elsewhere the direct kernel under 1e8 multiply-adds
-    (2e8 with padding at stride 1), then at stride 1 the FFT path, with padding cuDNN's
-    convolution."""
+    (2e8 with padding at stride 1), then at stride 1 the FFT path, with padding at stride 1
+    the direct kernel on the tensor cores (sm_90), else cuDNN's convolution."""
+    if expected == "direct_mma":
+        expected = "direct" if torch.cuda.get_device_capability()[0] >= 9 else "sliced_conv"
     p = Problem(batch, 16, 32, (8, 8, 8), (kernel,) * 3, conv_kwargs=conv_kwargs)
     ref, fused = make_models(p, torch.float32, "cuda")
     ref.train()

@@ -26,4 +26,8 @@ at::Tensor energy_direct_stride1_cuda(const at::Tensor& x, const at::Tensor& wei
 std::pair<at::Tensor, at::Tensor> direct_stats_cuda(const at::Tensor& x, const at::Tensor& weight,
                                                     const ConvGeometry& g);
 
+// Whether direct_stats_cuda's tensor-core kernel runs this problem (stride and dilation 1, x of
+// `dtype`) on the current device, whatever the padding: its dispatch rule (csrc/dispatch.cpp).
+bool direct_stats_mma_takes(const ConvGeometry& g, at::ScalarType dtype);
+
 }  // namespace fused_ops

@@ -402,6 +402,18 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 }  // namespace
 
+bool direct_stats_mma_takes(const ConvGeometry& g, at::ScalarType dtype) {
+  if (!g.unit_steps() || at::cuda::getCurrentDeviceProperties()->major < 9) return false;
+  const int64_t units = g.batch * g.groups * (direct_co_pad(g) / CT);
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return AT_DISPATCH_FLOATING_TYPES(dtype, "direct_stats_mma_takes", [&] {
+    const auto plan = mma_plan<scalar_t>(g, units, sms);
+    auto kernel = plan && plan->mw == 2 ? direct_stats_mma_kernel<scalar_t, 2> : direct_stats_mma_kernel<scalar_t, 1>;
+    return plan.has_value() &&
+           compiled_for_sm90(reinterpret_cast<const void*>(kernel), at::Device(at::kCUDA, at::cuda::current_device()));
+  });
+}
+
 std::pair<at::Tensor, at::Tensor> direct_stats_cuda(const at::Tensor& x, const at::Tensor& weight,
                                                     const ConvGeometry& g) {
   // auto: padded problems, where the other route needs the box sums and their contraction (three
