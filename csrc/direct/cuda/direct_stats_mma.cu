@@ -400,17 +400,35 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
+// The tile plan and the kernel of its warp layout for `units` (sample, group, channel tile)
+// units on `device`, and whether that kernel runs there: a plan fits, and the binary has the
+// kernel's compute_90 code.
+template <typename scalar_t>
+struct MmaLaunch {
+  c10::optional<MmaPlan> plan;
+  decltype(&direct_stats_mma_kernel<scalar_t, 1>) kernel;
+  bool runs;
+};
+
+template <typename scalar_t>
+MmaLaunch<scalar_t> mma_launch(const ConvGeometry& g, int64_t units, at::Device device) {
+  const int64_t sms = at::cuda::getDeviceProperties(device.index())->multiProcessorCount;
+  const auto plan = mma_plan<scalar_t>(g, units, sms);
+  auto kernel = plan && plan->mw == 2 ? direct_stats_mma_kernel<scalar_t, 2> : direct_stats_mma_kernel<scalar_t, 1>;
+  return {plan, kernel, plan && compiled_for_sm90(reinterpret_cast<const void*>(kernel), device)};
+}
+
+int64_t mma_units(const ConvGeometry& g) { return g.batch * g.groups * (direct_co_pad(g) / CT); }
+
+bool sm90(at::Device device) { return at::cuda::getDeviceProperties(device.index())->major >= 9; }
+
 }  // namespace
 
 bool direct_stats_mma_takes(const ConvGeometry& g, at::ScalarType dtype) {
-  if (!g.unit_steps() || at::cuda::getCurrentDeviceProperties()->major < 9) return false;
-  const int64_t units = g.batch * g.groups * (direct_co_pad(g) / CT);
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const at::Device device(at::kCUDA, at::cuda::current_device());
+  if (!g.unit_steps() || !sm90(device)) return false;
   return AT_DISPATCH_FLOATING_TYPES(dtype, "direct_stats_mma_takes", [&] {
-    const auto plan = mma_plan<scalar_t>(g, units, sms);
-    auto kernel = plan && plan->mw == 2 ? direct_stats_mma_kernel<scalar_t, 2> : direct_stats_mma_kernel<scalar_t, 1>;
-    return plan.has_value() &&
-           compiled_for_sm90(reinterpret_cast<const void*>(kernel), at::Device(at::kCUDA, at::cuda::current_device()));
+    return mma_launch<scalar_t>(g, mma_units(g), device).runs;
   });
 }
 
@@ -421,16 +439,16 @@ std::pair<at::Tensor, at::Tensor> direct_stats_cuda(const at::Tensor& x, const a
   // problems (docs/dispatch.md, "Kernel routes").
   const Route forced = forced_route(Knob::Direct);
   if (!g.unit_steps() || forced == Route::Simt || (forced == Route::Auto && !g.has_padding())) return {};
-  const bool sm90 = at::cuda::getCurrentDeviceProperties()->major >= 9;
-  TORCH_CHECK(sm90 || forced == Route::Auto, "ct_bn_pool: route direct='mma' needs a GPU of compute capability 9.0 or later");
-  if (!sm90) return {};
+  TORCH_CHECK(sm90(x.device()) || forced == Route::Auto,
+              "ct_bn_pool: route direct='mma' needs a GPU of compute capability 9.0 or later");
+  if (!sm90(x.device())) return {};
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t co_tiles = direct_co_pad(g) / CT, units = g.batch * g.groups * co_tiles;
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t co_tiles = direct_co_pad(g) / CT, units = mma_units(g);
   return AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "direct_stats_cuda", [&]() -> std::pair<at::Tensor, at::Tensor> {
-    const auto plan = mma_plan<scalar_t>(g, units, sms);
-    auto kernel = plan && plan->mw == 2 ? direct_stats_mma_kernel<scalar_t, 2> : direct_stats_mma_kernel<scalar_t, 1>;
-    const bool runs = plan && compiled_for_sm90(reinterpret_cast<const void*>(kernel), x.device());
+    const auto launch = mma_launch<scalar_t>(g, units, x.device());
+    const auto& plan = launch.plan;
+    const auto kernel = launch.kernel;
+    const bool runs = launch.runs;
     TORCH_CHECK(runs || forced == Route::Auto, "ct_bn_pool: route direct='mma': the tensor cores' direct kernel does not ",
                 "take this problem (a channel group's box of x and weights past its shared memory, or a binary ",
                 "without compute_90)");
