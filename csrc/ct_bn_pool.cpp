@@ -27,14 +27,18 @@ SampleSums SampleSumTensors::view(const ConvGeometry& g) const {
 
 at::Tensor sample_conv_sums(const SampleSumTensors& sums, const ConvGeometry& g) {
   const int64_t G = g.groups, cig = g.in_group_channels(), cog = g.out_group_channels();
-  const auto x_red = sums.x_red.view({g.batch, G, cig, sums.x_red.size(2)});
-  const auto w_red = sums.w_red.view({G, cig, cog, sums.w_red.size(2)});
-  if (G == 1 && w_red.size(3) == 1) {  // one GEMM, not einsum's chain (border.cpp's regions)
-    return at::mm(x_red.sum(3).view({g.batch, cig}), w_red.view({cig, cog}));
-  }
-  const auto s = w_red.size(3) == 1 ? at::einsum("bgi,gic->bgc", {x_red.sum(3), w_red.squeeze(3)})
-                                    : at::einsum("bgij,gicj->bgc", {x_red, w_red});
-  return s.reshape({g.batch, g.out_channels});
+  // x's parts summed where the weight's sums are whole (padding 0), else contracted with the
+  // weight's: one GEMM, batched over the groups (einsum's chain of views, permutes and copies
+  // is dozens of ATen ops a call: a padded eval call's host time is mostly ops like these).
+  const bool whole = sums.w_red.size(2) == 1;
+  const int64_t parts = whole ? 1 : sums.x_red.size(2);
+  const at::Tensor x_red = whole ? sums.x_red.sum(2) : sums.x_red.view({g.batch, g.in_channels * parts});
+  const at::Tensor w_red = whole ? sums.w_red.view({G, cig, cog})
+                                 : sums.w_red.view({G, cig, cog, parts}).transpose(2, 3).reshape({G, cig * parts, cog});
+  if (G == 1) return at::mm(x_red, w_red[0]);
+  return at::bmm(x_red.view({g.batch, G, cig * parts}).transpose(0, 1), w_red)
+      .transpose(0, 1)
+      .reshape({g.batch, g.out_channels});
 }
 
 at::Tensor energy_of(const Backend& backend, EnergyAlgo algo, const at::Tensor& x,
