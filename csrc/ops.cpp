@@ -77,6 +77,13 @@ TORCH_LIBRARY(fused_ops, m) {
       "Tensor? y, Tensor sample_sums, Tensor stats, float scale, float eps, *, int[3] stride, "
       "int[3] padding, int[3] output_padding, int[3] dilation, int groups, bool[2] output_mask) "
       "-> (Tensor grad_x, Tensor grad_weight, Tensor grad_bn_weight, Tensor grad_bn_bias)");
+  // Training mode's conv-free backward (fused_ops/_spectral_backward.py, docs/math.md §6.2.2):
+  // the DFT on the grid 2k - 1 of x's channel cross-correlation at the kernel's lags, centred
+  // on its grid mean (§3.5), of a stride-1, padding-0 problem whose kernel and channels the
+  // weight gives. No autograd of its own.
+  m.def(
+      "_ct_bn_pool_lag_spectrum(Tensor x, Tensor weight, *, int[3] dilation=1, int groups=1) "
+      "-> Tensor");
   // ct_bn_pool as its autograd formula sees it: the Autograd kernel of ct_bn_pool calls these
   // when a gradient can flow (below), and fused_ops/_autograd.py registers the formula on
   // them. Below autograd they are ct_bn_pool itself.
@@ -182,7 +189,8 @@ TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&ct_bn_pool_autograd>());
   }
   for (const char* op :
-       {"ct_bn_pool_stats", "_ct_bn_pool_kept_stats", "_ct_bn_pool_kept_backward"}) {
+       {"ct_bn_pool_stats", "_ct_bn_pool_kept_stats", "_ct_bn_pool_kept_backward",
+        "_ct_bn_pool_lag_spectrum"}) {
     m.impl(op, torch::autograd::autogradNotImplementedFallback());
   }
   for (const char* op : {"ct_bn_pool_apply", "ct_bn_pool_apply.no_stats"}) {
@@ -203,7 +211,7 @@ TORCH_LIBRARY_IMPL(fused_ops, ADInplaceOrView, m) {
   }
   m.impl("ct_bn_pool_apply", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions<false>>());
   for (const char* op : {"ct_bn_pool_stats", "ct_bn_pool_apply.no_stats", "_ct_bn_pool_kept_stats",
-                         "_ct_bn_pool_kept_backward"}) {
+                         "_ct_bn_pool_kept_backward", "_ct_bn_pool_lag_spectrum"}) {
     m.impl(op, torch::autograd::autogradNotImplementedInplaceOrViewFallback());
   }
 }

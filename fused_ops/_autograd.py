@@ -315,8 +315,7 @@ def _affine_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g_su
         k_x, k_weight = _gram_backward.k_part(x, weight, k, mean, groups, needs["x"],
                                               needs["weight"])
     else:
-        grid = _spectral_backward.Grid(x, weight, c, compute)
-        k_x, k_weight = _spectral_backward.k_part(grid, k, sums - n * mean, x.shape[2:],
+        k_x, k_weight = _spectral_backward.k_part(x, weight, k, sums - n * mean, c, compute,
                                                   needs["x"], needs["weight"])
     # Both routes have padding 0: every tap reaches every position of x (§2.1), so the field's
     # contractions take x's and the weight's sums, and its x gradient is constant per (b, ci).

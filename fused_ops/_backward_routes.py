@@ -17,22 +17,22 @@ ROUTE = "auto"
 
 
 # CUDA's thresholds for "spectral" (docs/dispatch.md): ATen's multiply-adds per complex
-# multiply-add of the spectral products, and ATen's multiply-adds (recomputed convolution
-# and convolution_backward) below which the spectral route's ~100 ops per call cost more.
+# multiply-add of the spectral route's products, and ATen's multiply-adds (recomputed convolution
+# and convolution_backward) below which the spectral route's ~60 ops per call cost more.
 SPECTRAL_MIN_RATIO = 24
 SPECTRAL_MIN_ATEN_WORK = 1e11
 
 
 def _spectral_pays(conv: dict, weight: Tensor, x: Tensor) -> bool:
     """ATen's 3 B Ci Co taps multiply-adds per input position against the spectral route's
-    3 B Cig Cog complex ones per bin of the full output's half spectrum (docs/math.md §6.2.2),
-    a complex multiply-add counted as four."""
+    complex ones per bin of the full output's half spectrum (docs/math.md §6.2.2:
+    ``_spectral_backward.products_per_bin``), a complex multiply-add counted as four."""
     taps = weight.shape[2] * weight.shape[3] * weight.shape[4]
     positions = x.shape[2] * x.shape[3] * x.shape[4]
     aten = 3 * x.shape[0] * x.shape[1] * weight.shape[1] * taps * positions
     bins = _spectral_backward.half_spectrum_bins(x, weight, conv["dilation"])
-    ratio = taps * positions / (4 * bins)
-    return ratio >= SPECTRAL_MIN_RATIO and aten >= SPECTRAL_MIN_ATEN_WORK
+    route = 4 * bins * _spectral_backward.products_per_bin(x, weight, conv["groups"])
+    return aten >= SPECTRAL_MIN_RATIO * route and aten >= SPECTRAL_MIN_ATEN_WORK
 
 
 def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False,

@@ -307,3 +307,14 @@ def _ct_bn_pool_kept_backward_fake(grad_out, x, weight, bn_weight, y, sample_sum
     return (x.new_empty(x.shape if output_mask[0] else (0,)),
             weight.new_empty(weight.shape if output_mask[1] else (0,)),
             x.new_empty((channels,), dtype=compute), x.new_empty((channels,), dtype=compute))
+
+
+@torch.library.register_fake("fused_ops::_ct_bn_pool_lag_spectrum")
+def _ct_bn_pool_lag_spectrum_fake(x, weight, *, dilation=(1, 1, 1), groups=1):
+    _validate_inputs(x, weight, None, None, None, None, None, True, 1.0, (1, 1, 1), (0, 0, 0),
+                     (0, 0, 0), dilation, groups, one_of_many=True)
+    k = weight.shape[2:]
+    cig = x.shape[1] // groups
+    # R^ on the lags' grid 2k - 1 (the last dimension's half spectrum), complex128.
+    return x.new_empty((2 * k[0] - 1, 2 * k[1] - 1, k[2], groups, cig, cig),
+                       dtype=torch.complex128)

@@ -4,28 +4,42 @@
 The gradient wrt the convolution output y is affine in y per channel,
 ``dL/dy[b, c, o] = A[b, c] + K_c (y[b, c, o] - mean_c)``. The A part is a field constant over
 a sample's positions: with padding 0 its gradients are products of x's and the weight's sums
-(``_autograd.py``). The K part needs y, but only through linear maps of it: on a frequency
-grid as large as the full output (where the transposed convolution is a product and nothing
-wraps), ``Y = W X`` per frequency, the x gradient is ``conj(W) K Y`` and the weight gradient
-is x's cross-spectrum with ``K Y`` read back at the kernel's taps. y is never formed in
-space; the grid is walked in slabs of its first dimension, so that neither the weight's
-spectrum nor Y is ever whole, and x's gradient spectrum is written over x's as the slabs are
-done. y's statistics and per-sample sums (float64) are those the forward kept
+(``_autograd.py``). The K part needs y only through two small kernels over the lags d
+(|d| < k per dim, in units of the dilation):
+
+- the weight's gradient is x's channel cross-correlation R at those lags correlated with the
+  weight, ``k_c sum_{j, u} R[j, i, u - t] w[j, c, u]`` plus a term of the sums: the forward's
+  R^ (``_ct_bn_pool_lag_spectrum``, §3.5) times the weight's spectrum on the lags' grid
+  2k - 1, where neither wraps;
+- x's gradient is ``conj(W) K (Y - mean)`` per frequency of the full output's grid (where the
+  transposed convolution is a product and nothing wraps), Y = W X: either through W itself
+  (two products per bin, B Cig Cog each) or through the weight's Gram kernel
+  ``M[i, j, d] = sum_c k_c sum_u w[i, c, u] w[j, c, u + d]`` on the lags, whose spectrum
+  ``W K W^H`` takes X to x's gradient in one product of B Cig^2 (cheaper where Cig is small
+  against Cog). The zero-frequency bin, where the mean cancels, is set from y's centred sums.
+
+y is never formed in space. The grid is walked in slabs of its first dimension, so that the
+operator's spectrum (W's or M's) is never whole, and x's gradient spectrum is written over x's
+as the slabs are done. y's statistics and per-sample sums (float64) are those the forward kept
 (``_kept_output.forward_statistics``), or ``ct_bn_pool_stats``'s where it kept none (a forced
 algorithm, synchronized statistics).
 
-ATen ops only (AOTAutograd traces them). Complex in the compute dtype (float32 for float16,
-bfloat16 and float32 inputs; float64 for float64).
+ATen ops and the library's ops only (AOTAutograd traces them). x's spectrum is complex in the
+compute dtype (float32 for float16, bfloat16 and float32 inputs; float64 for float64); the
+lags' grid, small, in float64.
 """
 import math
 
 import torch
 from torch import Tensor
 
-
-# Bytes of one slab's tensors (the weight's spectrum, Y and its products) aimed at: fewer
-# slabs issue fewer ops (each slab is about 25), larger ones hold more memory.
+# Bytes of one slab's tensors (the operator's spectrum and the products) aimed at: fewer
+# slabs issue fewer ops (each slab is about 15), larger ones hold more memory.
 SLAB_BYTES = 256 << 20
+# x's gradient through "gram" (M) or "weight" (W); "auto": the one of fewer multiply-adds
+# (_x_by_gram). A testing knob (the tests run both).
+X_OPERATOR = "auto"
+_LAG_DIMS = (0, 1, 2)
 
 
 def supported(conv: dict, weight: Tensor = None) -> bool:
@@ -46,131 +60,183 @@ def half_spectrum_bins(x: Tensor, weight: Tensor, dilation) -> int:
     return full[0] * full[1] * (full[2] // 2 + 1)
 
 
-def _bases(full, weight: Tensor, dilation, complex_dtype, device) -> list:
-    """E_d[f, t] = exp(-2 pi i f t dil_d / n_d) for each frequency f of dimension d (the last
-    dimension's half spectrum) and tap t. Angles from integer phases, exact modulo n_d."""
+def _x_costs(batch: int, in_group: int, out_group: int, kernel) -> tuple:
+    """x's gradient's complex multiply-adds per bin of the full grid and group, through M and
+    through W: M's spectrum (2k_w - 1 lags in the last stage of its DFT) and one product,
+    ``(2 k_w - 1 + B) Cig^2``, against W's (k_w taps) and two, ``(k_w + 2 B) Cig Cog``."""
+    return ((2 * kernel[2] - 1 + batch) * in_group * in_group,
+            (kernel[2] + 2 * batch) * in_group * out_group)
+
+
+def _x_by_gram(batch: int, in_group: int, out_group: int, kernel) -> bool:
+    if X_OPERATOR != "auto":
+        return X_OPERATOR == "gram"
+    by_gram, by_weight = _x_costs(batch, in_group, out_group, kernel)
+    return by_gram <= by_weight
+
+
+def products_per_bin(x: Tensor, weight: Tensor, groups: int) -> int:
+    """The route's complex multiply-adds per bin of the full grid: x's gradient's (the cheaper
+    operator) and R^'s cross-spectrum (§3.5: ``(B + k_h) Cig^2``), over the groups."""
+    batch, cig, cog = x.shape[0], x.shape[1] // groups, weight.shape[1]
+    return groups * (min(_x_costs(batch, cig, cog, weight.shape[2:]))
+                     + (batch + weight.shape[3]) * cig * cig)
+
+
+def _bases(full, taps, positions, dilation, complex_dtype, device) -> list:
+    """E_d[f, t] = exp(-2 pi i f p_d(t) dil_d / n_d) for each frequency f of dimension d (the
+    last dimension's half spectrum) and index t of a kernel at positions ``p_d(t) = t`` below
+    ``positions[d]`` and ``t - (its size)`` from it (lags wrapped on their grid). Angles from
+    integer phases, exact modulo n_d."""
     bases = []
     for d in range(3):
         count = full[d] // 2 + 1 if d == 2 else full[d]
         f = torch.arange(count, device=device, dtype=torch.int64).unsqueeze(1)
-        t = torch.arange(weight.shape[2 + d], device=device, dtype=torch.int64) * dilation[d]
+        t = torch.arange(taps[d], device=device, dtype=torch.int64)
+        if positions[d] < taps[d]:
+            t = torch.where(t < positions[d], t, t - taps[d])
+        t = t * dilation[d]
         phase = torch.remainder(f * t, full[d]).to(torch.float64) * (-2 * math.pi) / full[d]
         bases.append(torch.polar(torch.ones_like(phase), phase).to(complex_dtype))
     return bases
 
 
-def _half_weights(full_last: int, device, dtype) -> Tensor:
-    """Each half-spectrum bin's count in the full spectrum: 1 for 0 (and n/2 for even n), 2
-    for the rest, whose mirror images are their conjugates."""
-    # From an arange on the device: an indexed store of a Python number copies a host tensor,
-    # which torch.cuda.graph capture refuses.
-    bins = torch.arange(full_last // 2 + 1, device=device)
-    single = (bins == 0) | (2 * bins == full_last)
-    return torch.where(single, 1.0, 2.0).to(dtype)
-
-
 class Grid:
-    """The frequency grid and the operands every slab reads. Layouts are frequency-major,
+    """x's spectrum on the full output's grid, and an operator's (a kernel of taps, or of lags
+    wrapped on their grid, ``_bases``) on the same frequencies, slab by slab. Layouts are frequency-major,
     ``[G, F, rows, cols]`` contiguous, so that each product is one batched GEMM."""
 
-    def __init__(self, x: Tensor, weight: Tensor, conv: dict, compute: torch.dtype):
+    def __init__(self, x: Tensor, weight: Tensor, conv: dict, compute: torch.dtype,
+                 operator: Tensor, positions, extra_columns: int):
+        """operator: [G, I, O, *taps] real, its positions as ``_bases`` takes them;
+        extra_columns: the slab's product columns per frequency besides the operator's and
+        x's (for the memory of a slab)."""
         self.groups = conv["groups"]
         self.full = _full_size(x, weight, conv["dilation"])
-        self.positions = self.full[0] * self.full[1] * self.full[2]
         self.complex = torch.complex128 if compute == torch.float64 else torch.complex64
-        self.bases = _bases(self.full, weight, conv["dilation"], self.complex, x.device)
+        taps = operator.shape[3:]
+        self.bases = _bases(self.full, taps, positions, conv["dilation"], self.complex, x.device)
         self.plane = self.bases[1].shape[0] * self.bases[2].shape[0]  # bins per row
-        # The inverse DFT's bases [taps, bins]; the last dimension's also counts each bin of
-        # the half spectrum as often as the full spectrum holds it (here, not in a pass over
-        # each slab).
-        e0, e1, e2 = (b.conj().t() for b in self.bases)
-        self.inverse = (e0, e1, e2 * _half_weights(self.full[2], x.device, compute))
         spectrum = torch.fft.rfftn(x.to(compute), s=self.full, dim=(2, 3, 4))
         # [G, n0 * n1 * (n2/2+1), B, Ci/G]
         self.x_spectrum = spectrum.unflatten(1, (self.groups, -1)).permute(
             1, 3, 4, 5, 0, 2).flatten(1, 3).contiguous()
-        self.batch, self.in_group = x.shape[0], x.shape[1] // self.groups
-        self.out_group = weight.shape[1]
-        self.kernel = tuple(weight.shape[2:])
-        # The taps first, each output-channel column after: [kD, kH, kW, G * Ci/G * Co/G].
-        self.weight = weight.to(compute).unflatten(0, (self.groups, -1)).permute(
-            3, 4, 5, 0, 1, 2).flatten(3).to(self.complex)
-        per_row = self.plane * spectrum.element_size() * (
-            self.groups * self.in_group * self.out_group
-            + self.batch * (self.in_group + 2 * self.out_group) * self.groups)
+        self.columns = operator.shape[1:3]
+        self.taps = tuple(taps)
+        # The taps first, each column after: [t0, t1, t2, G * I * O].
+        self.operator = operator.to(compute).permute(3, 4, 5, 0, 1, 2).flatten(3).to(self.complex)
+        per_row = self.plane * spectrum.element_size() * self.groups * (
+            self.columns[0] * self.columns[1] + x.shape[0] * x.shape[1] // self.groups
+            + extra_columns)
         self.rows = max(1, min(self.full[0], SLAB_BYTES // max(per_row, 1)))
 
     def slabs(self):
         for start in range(0, self.full[0], self.rows):
             yield start, min(start + self.rows, self.full[0])
 
-    def weight_spectrum(self, start: int, stop: int) -> Tensor:
-        """W[g, f, i, o] on the slab's frequencies (flattened): [G, F, Ci/G, Co/G]. One
-        dimension at a time, the slab's rows first (the fewest)."""
+    def operator_spectrum(self, start: int, stop: int) -> Tensor:
+        """The operator on the slab's frequencies (flattened): [G, F, I, O]. One dimension at
+        a time, the slab's rows first (the fewest)."""
         e0, e1, e2 = self.bases
-        kd, kh, kw = self.kernel
-        w = torch.matmul(e0[start:stop], self.weight.flatten(1))  # [s, kh kw M]
-        w = torch.matmul(e1, w.unflatten(1, (kh, -1)))  # [s, n1, kw M]
-        w = torch.matmul(e2, w.unflatten(2, (kw, -1)))  # [s, n1, n2h, M]
-        w = w.unflatten(3, (self.groups, self.in_group, self.out_group))
+        _, t1, t2 = self.taps
+        w = torch.matmul(e0[start:stop], self.operator.flatten(1))  # [s, t1 t2 M]
+        w = torch.matmul(e1, w.unflatten(1, (t1, -1)))  # [s, n1, t2 M]
+        w = torch.matmul(e2, w.unflatten(2, (t2, -1)))  # [s, n1, n2h, M]
+        w = w.unflatten(3, (self.groups, *self.columns))
         return w.permute(3, 0, 1, 2, 4, 5).flatten(1, 3).contiguous()
 
     def x_slab(self, start: int, stop: int) -> Tensor:
         """X[g, f, b, i] on the slab's frequencies: [G, F, B, Ci/G]."""
         return self.x_spectrum[:, start * self.plane:stop * self.plane]
 
-    def taps(self, spectrum: Tensor, start: int, stop: int) -> Tensor:
-        """The inverse DFT of a Hermitian spectrum's slab ``[G, F, I, O]`` at the kernel's taps
-        only, times the grid size and before its real part: ``[G, kD, kH, kW, I, O]``."""
-        e0, e1, e2 = self.inverse  # [taps, bins]
-        rows, n1 = stop - start, e1.shape[1]
-        s = spectrum.flatten(2)  # [G, F, I O]
-        s = torch.matmul(e2, s.unflatten(1, (rows * n1, -1)))  # [G, s n1, kw, I O]
-        s = torch.matmul(e1, s.unflatten(1, (rows, n1)).flatten(3))  # [G, s, kh, kw I O]
-        s = torch.matmul(e0[:, start:stop], s.flatten(2))  # [G, kd, kh kw I O]
-        return s.unflatten(2, (*self.kernel[1:], self.in_group, self.out_group))
-
-    def product(self, start: int, stop: int):
-        """(X, W, Y = X W) on the slab: [G, F, B, I], [G, F, I, O], [G, F, B, O]."""
-        xs, ws = self.x_slab(start, stop), self.weight_spectrum(start, stop)
-        return xs, ws, torch.matmul(xs, ws)
-
-
-def _centered_dc(y: Tensor, dc: Tensor) -> Tensor:
-    """The first slab of y [G, F, B, O] with its zero-frequency bin replaced by `dc`
-    ([G, B, O]): the spectrum of y minus its batch mean, computed exactly from the sums
-    rather than as a difference of two large bins."""
-    return torch.cat([dc.unsqueeze(1).to(y.dtype), y[:, 1:]], dim=1)
-
-
-def k_part(grid: Grid, k: Tensor, centered_sums: Tensor, x_size, need_x: bool,
-           need_weight: bool):
-    """The gradients of K_c (y - mean_c): (x's [B, Ci, *x_size] or None, the weight's or
-    None). ``k``: [C]; ``centered_sums``: sum_o (y - mean) per sample, [B, C]."""
-    groups = grid.groups
-    k = k.to(grid.complex).view(groups, 1, 1, -1)  # on y's [G, F, B, O]
-    dc = centered_sums.view(-1, groups, grid.out_group).transpose(0, 1)  # [G, B, O]
-    # x's gradient spectrum, [G, F, B, I], is written over x's slab by slab: once a slab is done
-    # its part of x's spectrum is read no more (one spectrum-sized tensor instead of two). No
-    # double backward differentiates this (the route rule takes "aten" there).
-    w_grad = None
-    for start, stop in grid.slabs():
-        xs, ws, y = grid.product(start, stop)
-        if start == 0:
-            y = _centered_dc(y, dc)
-        ky = y * k
-        if need_weight:
-            taps = grid.taps(torch.matmul(xs.mH, ky), start, stop)
-            w_grad = taps if w_grad is None else w_grad + taps
-        if need_x:
-            xs.copy_(torch.matmul(ky, ws.mH))
-    x_grad = None
-    if need_x:
-        spectrum = grid.x_spectrum.unflatten(1, (*grid.full[:2], -1))
+    def x_gradient(self, x_size) -> Tensor:
+        """x's gradient from its spectrum (written over x's): [B, Ci, *x_size]."""
+        spectrum = self.x_spectrum.unflatten(1, (*self.full[:2], -1))
         spectrum = spectrum.permute(4, 0, 5, 1, 2, 3).flatten(1, 2)  # [B, Ci, n0, n1, n2h]
-        full = torch.fft.irfftn(spectrum, s=grid.full, dim=(2, 3, 4))
-        x_grad = full[:, :, :x_size[0], :x_size[1], :x_size[2]]
-    if need_weight:
-        # [G, kD, kH, kW, I, O] -> the weight's [G I, O, kD, kH, kW]
-        w_grad = (w_grad.real / grid.positions).permute(0, 4, 5, 1, 2, 3).flatten(0, 1)
+        full = torch.fft.irfftn(spectrum, s=self.full, dim=(2, 3, 4))
+        return full[:, :, :x_size[0], :x_size[1], :x_size[2]]
+
+
+def _lag_spectrum(weight: Tensor, groups: int) -> Tensor:
+    """The weight's DFT on the lags' grid 2k - 1 (float64): [Md, Mh, Mw/2 + 1, G, Cig, Cog],
+    the layout of ``_ct_bn_pool_lag_spectrum``."""
+    lags = [2 * n - 1 for n in weight.shape[2:]]
+    w = weight.to(torch.float64).unflatten(0, (groups, -1))  # [G, Cig, Cog, *k]
+    # Contiguous: batched products over a permuted view loop over the batch on the CPU.
+    return torch.fft.rfftn(w, s=lags, dim=(3, 4, 5)).permute(3, 4, 5, 0, 1, 2).contiguous()
+
+
+def _gram_kernel(w_hat: Tensor, k: Tensor, kernel) -> Tensor:
+    """M^T on the lags' grid: [G, Cig (j), Cig (i), *lags] float64, lag d at index
+    d mod (2k - 1): 0 .. k - 1, then -(k - 1) .. -1."""
+    lags = [2 * n - 1 for n in kernel]
+    # W K W^H per bin of the lags' grid: M's spectrum there, exact (no lag wraps).
+    m_hat = torch.matmul(w_hat * k.view(w_hat.shape[3], 1, -1), w_hat.mH)  # [.., G, j, i]
+    return torch.fft.irfftn(m_hat, s=lags, dim=_LAG_DIMS).permute(3, 4, 5, 0, 1, 2)
+
+
+def _weight_k_part(x: Tensor, weight: Tensor, w_hat: Tensor, k: Tensor, dc: Tensor,
+                   conv: dict) -> Tensor:
+    """The weight's gradient of K_c (y - mean_c), float64: k_c times x's R at the lags
+    correlated with the weight, ``(R^ W)`` per bin of the lags' grid taken back to the taps,
+    plus the sums' term of R that R^ leaves out (§3.5: R^ is the centred R'). ``dc``:
+    y's centred sums [B, G, Cog]."""
+    groups, kernel = conv["groups"], weight.shape[2:]
+    r_hat = torch.ops.fused_ops._ct_bn_pool_lag_spectrum(
+        x, weight, dilation=conv["dilation"], groups=groups)  # [.., G, Cig, Cig]
+    lags = [2 * n - 1 for n in kernel]
+    taps = torch.fft.irfftn(torch.matmul(r_hat, w_hat), s=lags, dim=_LAG_DIMS)
+    taps = taps[:kernel[0], :kernel[1], :kernel[2]]  # [k0, k1, k2, G, Cig, Cog]
+    x_sums = x.sum((2, 3, 4), dtype=torch.float64).unflatten(1, (groups, -1))  # [B, G, Cig]
+    full = _full_size(x, weight, conv["dilation"])
+    taps = taps + torch.einsum("bgi,bgo->gio", x_sums, dc) / math.prod(full)
+    k = k.to(torch.float64).view(groups, 1, -1)
+    return (taps * k).permute(3, 4, 5, 0, 1, 2).flatten(0, 1)
+
+
+def _x_k_part(x: Tensor, weight: Tensor, w_hat: Tensor, k: Tensor, dc: Tensor, conv: dict,
+              compute: torch.dtype) -> Tensor:
+    """x's gradient of K_c (y - mean_c) through M or W per bin of the full grid (module
+    docstring). ``dc``: y's centred sums [B, G, Cog]."""
+    groups, kernel = conv["groups"], weight.shape[2:]
+    batch, cig, cog = x.shape[0], x.shape[1] // groups, weight.shape[1]
+    k64 = k.to(torch.float64).view(groups, -1)
+    if _x_by_gram(batch, cig, cog, kernel):
+        grid = Grid(x, weight, conv, compute, _gram_kernel(w_hat, k64, kernel),
+                    kernel, cig)
+        # The zero frequency: sum_c W_ic(0) k_c (Y_c(0) - mean_c |L|), from the centred sums.
+        w_sums = weight.to(torch.float64).sum((2, 3, 4)).unflatten(0, (groups, -1))
+        dc_x = torch.einsum("gic,bgc->gbi", w_sums * k64.unsqueeze(1), dc).to(grid.complex)
+        for start, stop in grid.slabs():
+            xs = grid.x_slab(start, stop)
+            g = torch.matmul(xs, grid.operator_spectrum(start, stop))
+            if start == 0:
+                g = torch.cat([dc_x.unsqueeze(1), g[:, 1:]], dim=1)
+            xs.copy_(g)
+        return grid.x_gradient(x.shape[2:])
+    w = weight.unflatten(0, (groups, -1))
+    grid = Grid(x, weight, conv, compute, w, kernel, 2 * cog)
+    kc = k.to(grid.complex).view(groups, 1, 1, -1)  # on y's [G, F, B, O]
+    for start, stop in grid.slabs():
+        xs, ws = grid.x_slab(start, stop), grid.operator_spectrum(start, stop)
+        y = torch.matmul(xs, ws)
+        if start == 0:  # y's batch mean taken out of its zero frequency exactly
+            y = torch.cat([dc.transpose(0, 1).unsqueeze(1).to(y.dtype), y[:, 1:]], dim=1)
+        # x's gradient spectrum is written over x's slab: once a slab is done its part of
+        # x's spectrum is read no more (one spectrum-sized tensor instead of two).
+        xs.copy_(torch.matmul(y * kc, ws.mH))
+    return grid.x_gradient(x.shape[2:])
+
+
+def k_part(x: Tensor, weight: Tensor, k: Tensor, centered_sums: Tensor, conv: dict,
+           compute: torch.dtype, need_x: bool, need_weight: bool):
+    """The gradients of K_c (y - mean_c): (x's [B, Ci, *x_size] or None, the weight's or
+    None), in ``compute``. ``k``: [C]; ``centered_sums``: sum_o (y - mean) per sample, [B, C].
+    No double backward differentiates this (the route rule takes "aten" there)."""
+    groups = conv["groups"]
+    w_hat = _lag_spectrum(weight, groups)
+    dc = centered_sums.to(torch.float64).unflatten(1, (groups, -1))  # [B, G, Cog]
+    x_grad = _x_k_part(x, weight, w_hat, k, dc, conv, compute) if need_x else None
+    w_grad = (_weight_k_part(x, weight, w_hat, k, dc, conv).to(compute) if need_weight
+              else None)
     return x_grad, w_grad

@@ -211,8 +211,11 @@ def route_covers(route, problem):
     return route not in covers or covers[route][1](conv, weight)
 
 
-# "spectral-by-row": one frequency row per slab, the slab loop and the first slab's centring.
-ROUTE_CASES = [(route, p) for route in ("aten", "kept", "spectral", "spectral-by-row", "gram")
+# "spectral-gram", "spectral-weight": x's gradient through the weight's Gram kernel or through
+# the weight itself (docs/math.md §6.2.2), forced; "-by-row": one frequency row per slab, the
+# slab loop and the first slab's centring.
+ROUTE_CASES = [(route, p) for route in ("aten", "kept", "spectral-gram", "spectral-gram-by-row",
+                                        "spectral-weight-by-row", "gram")
                for p in PROBLEMS + GRAM_PROBLEMS if route_covers(route.split("-")[0], p)]
 
 
@@ -225,9 +228,12 @@ def test_training_backward_routes_match_float64(route, problem, dtypes, device, 
     test_gradients_match_float64 (its forward too, which "kept" computes through the
     convolution output); float32/float64 x far from zero mean, where the routes' centering
     matters."""
-    if route == "spectral-by-row":
+    if route.startswith("spectral-"):
+        variant = route.split("-")
         route = "spectral"
-        monkeypatch.setattr(fused_ops._spectral_backward, "SLAB_BYTES", 1)
+        monkeypatch.setattr(fused_ops._spectral_backward, "X_OPERATOR", variant[1])
+        if variant[-1] == "row":
+            monkeypatch.setattr(fused_ops._spectral_backward, "SLAB_BYTES", 1)
     conv_dtype, bn_dtype = dtypes
     ref, fused = make_dtype_models(problem, conv_dtype, bn_dtype, device)
     x = make_input(problem, conv_dtype, offset=0.0 if conv_dtype in HALF_TYPES else 3.0)
@@ -238,6 +244,55 @@ def test_training_backward_routes_match_float64(route, problem, dtypes, device, 
         _, got = run_backward(fused, x.to(device), grad_out.to(device))
     assert set(got) == set(want)
     assert_gradients_match(got, want, GRAD_TOL[conv_dtype])
+
+
+def lag_spectrum_reference(x, kernel, dilation, groups):
+    """_ct_bn_pool_lag_spectrum in float64 from its definition (docs/math.md §3.5, §6.2.2):
+    R[j, i, d] = sum_b sum_p x[b, j, p] x[b, i, p + d dil] by an FFT on the full grid, less
+    sum_b s_b[j] s_b[i] / N, at the lags |d| < k on the grid M = 2k - 1 (lag d at d mod M), and
+    its real DFT there: [M0, M1, M2 // 2 + 1, G, Cig (j), Cig (i)]."""
+    full = [x.shape[2 + d] + dilation[d] * (kernel[d] - 1) for d in range(3)]
+    if x.shape[0] == 0:  # R = 0 (an FFT of no sample is refused)
+        cig = x.shape[1] // groups
+        return torch.zeros(2 * kernel[0] - 1, 2 * kernel[1] - 1, kernel[2], groups, cig, cig,
+                           dtype=torch.complex128, device=x.device)
+    spectrum = torch.fft.rfftn(x.double(), s=full, dim=(2, 3, 4)).unflatten(1, (groups, -1))
+    r = torch.fft.irfftn(torch.einsum("bgj...,bgi...->gji...", spectrum.conj(), spectrum),
+                         s=full, dim=(3, 4, 5))
+    sums = x.double().sum((2, 3, 4)).unflatten(1, (groups, -1))
+    r = r - torch.einsum("bgj,bgi->gji", sums, sums)[..., None, None, None] / math.prod(full)
+    for d in range(3):
+        m = torch.arange(2 * kernel[d] - 1, device=x.device)
+        lag = torch.where(m < kernel[d], m, m - (2 * kernel[d] - 1))
+        r = r.index_select(3 + d, (lag * dilation[d]) % full[d])
+    return torch.fft.rfftn(r, dim=(3, 4, 5)).permute(3, 4, 5, 0, 1, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16],
+                         ids=lambda t: str(t).removeprefix("torch."))
+@pytest.mark.parametrize("problem", [Problem(3, 4, 6, (5, 6, 4), (3, 2, 4)),
+                                     Problem(2, 6, 4, (4, 5, 3), (2, 3, 2), conv_kwargs=dict(
+                                         groups=2, dilation=(1, 2, 3))),
+                                     Problem(0, 4, 6, (3, 4, 5), (2, 3, 2))], ids=Problem.ids)
+def test_lag_spectrum_is_the_centred_cross_correlation(problem, dtype, device):
+    """_ct_bn_pool_lag_spectrum (the spectral backward's R^) against its definition in float64
+    on the same rounded x, far from zero mean (the centring); opcheck."""
+    groups, dilation = problem.conv_kwargs.get("groups", 1), problem.triple("dilation", 1)
+    x = (make_input(problem, torch.float64) + 3.0).to(dtype).to(device)
+    weight = torch.randn(problem.in_channels, problem.out_channels // groups, *problem.kernel,
+                         dtype=dtype, device=device)
+    got = torch.ops.fused_ops._ct_bn_pool_lag_spectrum(x, weight, dilation=dilation,
+                                                       groups=groups)
+    want = lag_spectrum_reference(x, problem.kernel, dilation, groups)
+    assert got.dtype == torch.complex128 and got.shape == want.shape
+    # float32 spectra and sums for float32 and bfloat16 x (§3.5), relative to R's own scale
+    # (R' is x's spread: a ninth of R at this offset).
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    scale = max(want.abs().max().item(), 1.0)
+    assert (got - want).abs().max().item() <= tol * scale
+    torch.library.opcheck(torch.ops.fused_ops._ct_bn_pool_lag_spectrum.default, (x, weight),
+                          dict(dilation=dilation, groups=groups))
 
 
 @pytest.mark.parametrize("route", ["aten", "spectral", "gram"])
@@ -374,7 +429,7 @@ def test_forced_route_refuses_what_it_does_not_cover(route, problem):
 
 # Training problems whose conv output is many times x on the output's grid: Co large, and
 # a large kernel (spectral) or a large stride (gram).
-CONV_FREE_WIDE = {"spectral": Problem(2, 3, 16, (6, 6, 6), (3, 3, 3)),
+CONV_FREE_WIDE = {"spectral": Problem(2, 3, 16, (8, 8, 8), (3, 3, 3)),
                   "gram": Problem(2, 3, 16, (6, 6, 6), (2, 2, 2), conv_kwargs=dict(stride=2))}
 
 
@@ -384,7 +439,8 @@ CONV_FREE_WIDE = {"spectral": Problem(2, 3, 16, (6, 6, 6), (3, 3, 3)),
 @pytest.mark.parametrize("route", list(CONV_FREE_WIDE))
 def test_training_backward_is_conv_free(route, requested, monkeypatch):
     """docs/math.md §6.2.2, §6.2.3: no convolution, and no op output beyond x on the full
-    output's grid (spectral, with one frequency plane per slab) or beyond x (gram)."""
+    output's grid or the weight on the lags' grid 2k - 1 (spectral, with one frequency plane
+    per slab), or beyond x (gram)."""
     monkeypatch.setattr(fused_ops._spectral_backward, "SLAB_BYTES", 1)
     p = CONV_FREE_WIDE[route]
     _, fused = make_models(p, torch.float64)
@@ -392,7 +448,10 @@ def test_training_backward_is_conv_free(route, requested, monkeypatch):
     inputs = _requiring_grad(fused, x, requested)
     out = fused(x)
     grid = p.out_size() if route == "spectral" else p.size
-    bound = max(p.batch * p.in_channels * math.prod(grid), fused.conv_transpose.weight.numel())
+    weight = fused.conv_transpose.weight
+    lags = [2 * k - 1 for k in p.kernel] if route == "spectral" else p.kernel
+    bound = max(p.batch * p.in_channels * math.prod(grid),
+                weight.shape[0] * weight.shape[1] * math.prod(lags))
     assert p.batch * p.out_channels * math.prod(p.out_size()) > 4 * bound
     with fused_ops.testing.route(backward=route):
         _assert_conv_free_backward(out, inputs, bound)
