@@ -76,8 +76,8 @@ def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False,
         return "aten"
     # The CPU: the forward's statistics cost a convolution there, so keeping its output
     # spares the backward's; "gram" beats that where its work is small against the
-    # convolution's (measured from the statistics the forward keeps, and without them), and
-    # "spectral" (thousands of tiny GEMMs per call) nowhere.
+    # convolution's (measured from the statistics the forward keeps, and without them);
+    # "spectral" is not taken (measured against "kept" on two problems only, one way each).
     if _gram_backward.supported(conv, weight) and (
             _gram_backward.pays(weight, x, conv["groups"]) if has_statistics
             else _gram_backward.cheaper(weight, conv["groups"])):
