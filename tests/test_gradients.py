@@ -286,8 +286,8 @@ def test_lag_spectrum_is_the_centred_cross_correlation(problem, dtype, device):
                                                        groups=groups)
     want = lag_spectrum_reference(x, problem.kernel, dilation, groups)
     assert got.dtype == torch.complex128 and got.shape == want.shape
-    # float32 spectra and sums for float32 and bfloat16 x (§3.5), relative to R's own scale
-    # (R' is x's spread: a ninth of R at this offset).
+    # float32 spectra and sums for float32 and bfloat16 x (§3.5): relative to R^'s largest
+    # entry.
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     scale = max(want.abs().max().item(), 1.0)
     assert (got - want).abs().max().item() <= tol * scale
