@@ -8,9 +8,9 @@ a sample's positions: with padding 0 its gradients are products of x's and the w
 (|d| < k per dim, in units of the dilation):
 
 - the weight's gradient is x's channel cross-correlation R at those lags correlated with the
-  weight, ``k_c sum_{j, u} R[j, i, u - t] w[j, c, u]`` plus a term of the sums: the forward's
-  R^ (``_ct_bn_pool_lag_spectrum``, §3.5) times the weight's spectrum on the lags' grid
-  2k - 1, where neither wraps;
+  weight, ``k_c sum_{j, u} R[j, i, u - t] w[j, c, u]`` plus a term of the sums: R^ as the
+  forward's ``cross_spectrum`` path makes it (``_ct_bn_pool_lag_spectrum``, §3.5) times the
+  weight's spectrum on the lags' grid 2k - 1, where neither wraps;
 - x's gradient is ``conj(W) K (Y - mean)`` per frequency of the full output's grid (where the
   transposed convolution is a product and nothing wraps), Y = W X: either through W itself
   (two products per bin, B Cig Cog each) or through the weight's Gram kernel
