@@ -18,7 +18,8 @@ ROUTE = "auto"
 
 # CUDA's thresholds for "spectral" (docs/dispatch.md): ATen's multiply-adds per complex
 # multiply-add of the spectral route's products, and ATen's multiply-adds (recomputed convolution
-# and convolution_backward) below which the spectral route's ~60 ops per call cost more.
+# and convolution_backward) below which the spectral route's fixed cost (dozens of ops per
+# call) weighs more.
 SPECTRAL_MIN_RATIO = 24
 SPECTRAL_MIN_ATEN_WORK = 1e11
 
