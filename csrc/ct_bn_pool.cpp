@@ -200,9 +200,9 @@ std::tuple<at::Tensor, at::Tensor> ct_bn_pool_stats_forward(
   return {in.sample_sums_out, in.stats_out};
 }
 
-at::Tensor ct_bn_pool_lag_spectrum_forward(const Backend& backend, const at::Tensor& x,
-                                           const at::Tensor& weight, at::IntArrayRef dilation,
-                                           int64_t groups) {
+std::tuple<at::Tensor, at::Tensor> ct_bn_pool_lag_spectrum_forward(
+    const Backend& backend, const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef dilation,
+    int64_t groups) {
   const std::array<int64_t, 3> ones = {1, 1, 1}, zeros = {0, 0, 0};
   const ConvGeometry g = validate_inputs(x, weight, {}, {}, {}, {}, {}, /*training=*/true,
                                          /*eps=*/1.0, ones, zeros, zeros, dilation, groups,
@@ -210,8 +210,11 @@ at::Tensor ct_bn_pool_lag_spectrum_forward(const Backend& backend, const at::Ten
   const at::Tensor x_c = as_dtype(x, compute_dtype(x.scalar_type()));
   if (g.batch > 0) return x_lag_spectrum(backend, x_c, g);
   const int64_t cig = g.in_group_channels();
-  return at::zeros({2 * g.kernel[0] - 1, 2 * g.kernel[1] - 1, g.kernel[2], g.groups, cig, cig},
-                   x.options().dtype(at::kComplexDouble));
+  const at::ScalarType spectrum = x_c.scalar_type() == at::kDouble ? at::kComplexDouble : at::kComplexFloat;
+  return {at::zeros({2 * g.kernel[0] - 1, 2 * g.kernel[1] - 1, g.kernel[2], g.groups, cig, cig},
+                    x.options().dtype(at::kComplexDouble)),
+          at::empty({g.out_size[0], g.out_size[1], g.out_size[2] / 2 + 1, 0, g.in_channels},
+                    x.options().dtype(spectrum))};
 }
 
 at::Tensor ct_bn_pool_apply_forward(const Backend& backend, const at::Tensor& sample_sums,

@@ -33,10 +33,12 @@ double correlation_cost_ratio(const ConvGeometry& g);
 at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
                                  const at::Tensor& weight, const SampleSumTensors& sums,
                                  const ConvGeometry& g);
-// R^ [Md, Mh, Mw/2 + 1, G, Cig, Cig] complex128: the DFT on the lags' grid M = 2k - 1 of x's
-// channel cross-correlation centred on its grid mean (docs/math.md §3.5), stride 1 and padding
-// 0; x in the energy's dtype. The training backward's weight gradient (§6.2.2).
-at::Tensor x_lag_spectrum(const Backend& backend, const at::Tensor& x, const ConvGeometry& g);
+// (R^, X), stride 1 and padding 0, x in the energy's dtype: R^ [Md, Mh, Mw/2 + 1, G, Cig, Cig]
+// complex128, the DFT on the lags' grid M = 2k - 1 of x's channel cross-correlation centred
+// on its grid mean (docs/math.md §3.5), and X the spectrum it is made from, x_spectrum's on
+// the full output's grid. The training backward's weight gradient and x's (§6.2.2).
+std::tuple<at::Tensor, at::Tensor> x_lag_spectrum(const Backend& backend, const at::Tensor& x,
+                                                  const ConvGeometry& g);
 // [1, Co, 1] double energy of a padded problem (padding > 0): the full (padding-0) grid's
 // minus that of the planes the padding cuts off, by inclusion–exclusion over the dims, each
 // term a padding-0 problem on x's edge planes (docs/math.md §3.6). `sums`: the crop's sums
@@ -100,9 +102,9 @@ std::tuple<at::Tensor, at::Tensor> ct_bn_pool_stats_forward(
 
 // _ct_bn_pool_lag_spectrum: x_lag_spectrum of a stride-1, padding-0 problem (the weight gives
 // the kernel and the channels).
-at::Tensor ct_bn_pool_lag_spectrum_forward(const Backend& backend, const at::Tensor& x,
-                                           const at::Tensor& weight, at::IntArrayRef dilation,
-                                           int64_t groups);
+std::tuple<at::Tensor, at::Tensor> ct_bn_pool_lag_spectrum_forward(
+    const Backend& backend, const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef dilation,
+    int64_t groups);
 // ct_bn_pool_apply: the finalize with the given (count, mean, m2) statistics.
 at::Tensor ct_bn_pool_apply_forward(const Backend& backend, const at::Tensor& sample_sums,
                                     const at::Tensor& stats, int64_t spatial,
@@ -182,8 +184,10 @@ std::tuple<at::Tensor, at::Tensor> ct_bn_pool_stats_kernel(
 }
 
 template <const Backend& backend>
-at::Tensor ct_bn_pool_lag_spectrum_kernel(const at::Tensor& x, const at::Tensor& weight,
-                                          at::IntArrayRef dilation, int64_t groups) {
+std::tuple<at::Tensor, at::Tensor> ct_bn_pool_lag_spectrum_kernel(const at::Tensor& x,
+                                                                  const at::Tensor& weight,
+                                                                  at::IntArrayRef dilation,
+                                                                  int64_t groups) {
   return ct_bn_pool_lag_spectrum_forward(backend, x, weight, dilation, groups);
 }
 template <const Backend& backend>

@@ -80,10 +80,11 @@ TORCH_LIBRARY(fused_ops, m) {
   // Training mode's conv-free backward (fused_ops/_spectral_backward.py, docs/math.md §6.2.2):
   // the DFT on the grid 2k - 1 of x's channel cross-correlation at the kernel's lags, centred
   // on its grid mean (§3.5), of a stride-1, padding-0 problem whose kernel and channels the
-  // weight gives. No autograd of its own.
+  // weight gives, and x's spectrum on the full output's grid that it is made from (the
+  // backward's x gradient is made over it: one FFT of x for both). No autograd of its own.
   m.def(
       "_ct_bn_pool_lag_spectrum(Tensor x, Tensor weight, *, int[3] dilation=1, int groups=1) "
-      "-> Tensor");
+      "-> (Tensor lags, Tensor x_spectrum)");
   // ct_bn_pool as its autograd formula sees it: the Autograd kernel of ct_bn_pool calls these
   // when a gradient can flow (below), and fused_ops/_autograd.py registers the formula on
   // them. Below autograd they are ct_bn_pool itself.

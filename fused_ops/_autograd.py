@@ -321,7 +321,8 @@ def _affine_output_grads(route, ctx, grad_out, needs, x, weight, bn_weight, g_su
     # contractions take x's and the weight's sums, and its x gradient is constant per (b, ci).
     if needs["x"]:
         w_sums = weight.to(compute).sum((2, 3, 4), keepdim=True)
-        grads["x"] = _input_gradient_taps(field, w_sums, groups) + k_x
+        # k_x is the route's own: the field added in place, no second x-sized tensor.
+        grads["x"] = k_x.add_(_input_gradient_taps(field, w_sums, groups))
     if needs["weight"]:
         x_sums = x.sum((2, 3, 4), dtype=compute)[..., None, None, None]
         tap_sums = x_sums.expand(-1, -1, *weight.shape[2:])

@@ -315,6 +315,11 @@ def _ct_bn_pool_lag_spectrum_fake(x, weight, *, dilation=(1, 1, 1), groups=1):
                      (0, 0, 0), dilation, groups, one_of_many=True)
     k = weight.shape[2:]
     cig = x.shape[1] // groups
-    # R^ on the lags' grid 2k - 1 (the last dimension's half spectrum), complex128.
-    return x.new_empty((2 * k[0] - 1, 2 * k[1] - 1, k[2], groups, cig, cig),
-                       dtype=torch.complex128)
+    full = [x.shape[2 + d] + dilation[d] * (k[d] - 1) for d in range(3)]
+    spectrum = torch.complex128 if x.dtype == torch.float64 else torch.complex64
+    # R^ on the lags' grid 2k - 1 (the last dimension's half spectrum), complex128, and x's
+    # spectrum on the full output's grid, a frequency's [B, Ci] contiguous.
+    return (x.new_empty((2 * k[0] - 1, 2 * k[1] - 1, k[2], groups, cig, cig),
+                        dtype=torch.complex128),
+            x.new_empty((full[0], full[1], full[2] // 2 + 1, x.shape[0], x.shape[1]),
+                        dtype=spectrum))

@@ -18,11 +18,12 @@ a sample's positions: with padding 0 its gradients are products of x's and the w
   ``W K W^H`` takes X to x's gradient in one product of B Cig^2 (cheaper where Cig is small
   against Cog). The zero-frequency bin, where the mean cancels, is set from y's centred sums.
 
-y is never formed in space. The grid is walked in slabs of its first dimension, so that the
-operator's spectrum (W's or M's) is never whole, and x's gradient spectrum is written over x's
-as the slabs are done. y's statistics and per-sample sums (float64) are those the forward kept
-(``_kept_output.forward_statistics``), or ``ct_bn_pool_stats``'s where it kept none (a forced
-algorithm, synchronized statistics).
+y is never formed in space. x's spectrum is the one R^ is made from (the op returns both: one
+pass over x, whose temporaries are a slice of the batch's). The grid is walked in slabs of its
+first dimension, so that the operator's spectrum (W's or M's) is never whole, and x's gradient
+spectrum is written over x's as the slabs are done. y's statistics and per-sample sums
+(float64) are those the forward kept (``_kept_output.forward_statistics``), or
+``ct_bn_pool_stats``'s where it kept none (a forced algorithm, synchronized statistics).
 
 ATen ops and the library's ops only (AOTAutograd traces them). x's spectrum is complex in the
 compute dtype (float32 for float16, bfloat16 and float32 inputs; float64 for float64); the
@@ -103,32 +104,32 @@ def _bases(full, taps, positions, dilation, complex_dtype, device) -> list:
 
 class Grid:
     """x's spectrum on the full output's grid, and an operator's (a kernel of taps, or of lags
-    wrapped on their grid, ``_bases``) on the same frequencies, slab by slab. Layouts are frequency-major,
-    ``[G, F, rows, cols]`` contiguous, so that each product is one batched GEMM."""
+    wrapped on their grid, ``_bases``) on the same frequencies, slab by slab. Layouts are
+    frequency-major, so that each product is one batched GEMM: the operator's
+    ``[G, F, rows, cols]`` contiguous, x's a view ``[G, F, B, Ci/G]`` of its spectrum."""
 
-    def __init__(self, x: Tensor, weight: Tensor, conv: dict, compute: torch.dtype,
-                 operator: Tensor, positions, extra_columns: int):
-        """operator: [G, I, O, *taps] real, its positions as ``_bases`` takes them;
-        extra_columns: the slab's product columns per frequency besides the operator's and
-        x's (for the memory of a slab)."""
-        self.groups = conv["groups"]
-        self.full = _full_size(x, weight, conv["dilation"])
-        self.complex = torch.complex128 if compute == torch.float64 else torch.complex64
+    def __init__(self, x_spectrum: Tensor, full, conv: dict, operator: Tensor, positions,
+                 extra_columns: int):
+        """x_spectrum: [n0, n1, n2/2 + 1, B, Ci] on the grid ``full`` (the op's, complex in the
+        compute dtype); operator: [G, I, O, *taps] real, its positions as ``_bases`` takes
+        them; extra_columns: the slab's product columns per frequency besides the operator's
+        and x's (for the memory of a slab)."""
+        self.groups, self.full = conv["groups"], full
+        self.complex = x_spectrum.dtype
+        self.x_spectrum = x_spectrum
         taps = operator.shape[3:]
-        self.bases = _bases(self.full, taps, positions, conv["dilation"], self.complex, x.device)
-        self.plane = self.bases[1].shape[0] * self.bases[2].shape[0]  # bins per row
-        spectrum = torch.fft.rfftn(x.to(compute), s=self.full, dim=(2, 3, 4))
-        # [G, n0 * n1 * (n2/2+1), B, Ci/G]
-        self.x_spectrum = spectrum.unflatten(1, (self.groups, -1)).permute(
-            1, 3, 4, 5, 0, 2).flatten(1, 3).contiguous()
+        self.bases = _bases(full, taps, positions, conv["dilation"], self.complex,
+                            x_spectrum.device)
+        self.plane = x_spectrum.shape[1] * x_spectrum.shape[2]  # bins per row
         self.columns = operator.shape[1:3]
         self.taps = tuple(taps)
         # The taps first, each column after: [t0, t1, t2, G * I * O].
-        self.operator = operator.to(compute).permute(3, 4, 5, 0, 1, 2).flatten(3).to(self.complex)
-        per_row = self.plane * spectrum.element_size() * self.groups * (
-            self.columns[0] * self.columns[1] + x.shape[0] * x.shape[1] // self.groups
-            + extra_columns)
-        self.rows = max(1, min(self.full[0], SLAB_BYTES // max(per_row, 1)))
+        real = torch.float64 if self.complex == torch.complex128 else torch.float32
+        self.operator = operator.to(real).permute(3, 4, 5, 0, 1, 2).flatten(3).to(self.complex)
+        batch, channels = x_spectrum.shape[3:]
+        per_row = self.plane * x_spectrum.element_size() * self.groups * (
+            self.columns[0] * self.columns[1] + batch * channels // self.groups + extra_columns)
+        self.rows = max(1, min(full[0], SLAB_BYTES // max(per_row, 1)))
 
     def slabs(self):
         for start in range(0, self.full[0], self.rows):
@@ -146,15 +147,26 @@ class Grid:
         return w.permute(3, 0, 1, 2, 4, 5).flatten(1, 3).contiguous()
 
     def x_slab(self, start: int, stop: int) -> Tensor:
-        """X[g, f, b, i] on the slab's frequencies: [G, F, B, Ci/G]."""
-        return self.x_spectrum[:, start * self.plane:stop * self.plane]
+        """X[g, f, b, i] on the slab's frequencies: [G, F, B, Ci/G], a view of x's spectrum
+        (with one group, of contiguous matrices)."""
+        rows = self.x_spectrum[start:stop].flatten(0, 2)  # [F, B, Ci]
+        return rows.unflatten(2, (self.groups, -1)).permute(2, 0, 1, 3)
 
     def x_gradient(self, x_size) -> Tensor:
-        """x's gradient from its spectrum (written over x's): [B, Ci, *x_size]."""
-        spectrum = self.x_spectrum.unflatten(1, (*self.full[:2], -1))
-        spectrum = spectrum.permute(4, 0, 5, 1, 2, 3).flatten(1, 2)  # [B, Ci, n0, n1, n2h]
-        full = torch.fft.irfftn(spectrum, s=self.full, dim=(2, 3, 4))
-        return full[:, :, :x_size[0], :x_size[1], :x_size[2]]
+        """x's gradient from its spectrum (written over x's): [B, Ci, *x_size], contiguous. By
+        slices of the batch, so that the inverse FFT's copy of its input and its output on the
+        full grid are a slice's, not two more spectrum-sized tensors."""
+        batch, channels = self.x_spectrum.shape[3:]
+        real = torch.float64 if self.complex == torch.complex128 else torch.float32
+        out = self.x_spectrum.new_empty((batch, channels, *x_size), dtype=real)
+        # Per sample: the input's copy (complex) and the output (real, the full grid's).
+        per_sample = channels * self.full[0] * self.plane * self.x_spectrum.element_size() * 2
+        step = max(1, min(batch, SLAB_BYTES // max(per_sample, 1)))
+        for b0 in range(0, batch, step):
+            spectrum = self.x_spectrum[:, :, :, b0:b0 + step].permute(3, 4, 0, 1, 2)
+            full = torch.fft.irfftn(spectrum, s=self.full, dim=(2, 3, 4))
+            out[b0:b0 + step] = full[:, :, :x_size[0], :x_size[1], :x_size[2]]
+        return out
 
 
 def _lag_spectrum(weight: Tensor, groups: int) -> Tensor:
@@ -175,15 +187,13 @@ def _gram_kernel(w_hat: Tensor, k: Tensor, kernel) -> Tensor:
     return torch.fft.irfftn(m_hat, s=lags, dim=_LAG_DIMS).permute(3, 4, 5, 0, 1, 2)
 
 
-def _weight_k_part(x: Tensor, weight: Tensor, w_hat: Tensor, k: Tensor, dc: Tensor,
-                   conv: dict) -> Tensor:
+def _weight_k_part(x: Tensor, weight: Tensor, r_hat: Tensor, w_hat: Tensor, k: Tensor,
+                   dc: Tensor, conv: dict) -> Tensor:
     """The weight's gradient of K_c (y - mean_c), float64: k_c times x's R at the lags
     correlated with the weight, ``(R^ W)`` per bin of the lags' grid taken back to the taps,
     plus the sums' term of R that R^ leaves out (§3.5: R^ is the centred R'). ``dc``:
     y's centred sums [B, G, Cog]."""
     groups, kernel = conv["groups"], weight.shape[2:]
-    r_hat = torch.ops.fused_ops._ct_bn_pool_lag_spectrum(
-        x, weight, dilation=conv["dilation"], groups=groups)  # [.., G, Cig, Cig]
     lags = [2 * n - 1 for n in kernel]
     taps = torch.fft.irfftn(torch.matmul(r_hat, w_hat), s=lags, dim=_LAG_DIMS)
     taps = taps[:kernel[0], :kernel[1], :kernel[2]]  # [k0, k1, k2, G, Cig, Cog]
@@ -194,49 +204,63 @@ def _weight_k_part(x: Tensor, weight: Tensor, w_hat: Tensor, k: Tensor, dc: Tens
     return (taps * k).permute(3, 4, 5, 0, 1, 2).flatten(0, 1)
 
 
-def _x_k_part(x: Tensor, weight: Tensor, w_hat: Tensor, k: Tensor, dc: Tensor, conv: dict,
-              compute: torch.dtype) -> Tensor:
-    """x's gradient of K_c (y - mean_c) through M or W per bin of the full grid (module
-    docstring). ``dc``: y's centred sums [B, G, Cog]."""
-    groups, kernel = conv["groups"], weight.shape[2:]
-    batch, cig, cog = x.shape[0], x.shape[1] // groups, weight.shape[1]
-    k64 = k.to(torch.float64).view(groups, -1)
-    if _x_by_gram(batch, cig, cog, kernel):
-        grid = Grid(x, weight, conv, compute, _gram_kernel(w_hat, k64, kernel),
-                    kernel, cig)
-        # The zero frequency: sum_c W_ic(0) k_c (Y_c(0) - mean_c |L|), from the centred sums.
-        w_sums = weight.to(torch.float64).sum((2, 3, 4)).unflatten(0, (groups, -1))
-        dc_x = torch.einsum("gic,bgc->gbi", w_sums * k64.unsqueeze(1), dc).to(grid.complex)
-        for start, stop in grid.slabs():
-            xs = grid.x_slab(start, stop)
-            g = torch.matmul(xs, grid.operator_spectrum(start, stop))
-            if start == 0:
-                g = torch.cat([dc_x.unsqueeze(1), g[:, 1:]], dim=1)
-            xs.copy_(g)
-        return grid.x_gradient(x.shape[2:])
-    w = weight.unflatten(0, (groups, -1))
-    grid = Grid(x, weight, conv, compute, w, kernel, 2 * cog)
-    kc = k.to(grid.complex).view(groups, 1, 1, -1)  # on y's [G, F, B, O]
+def _x_by_gram_kernel(grid: Grid, weight: Tensor, k64: Tensor, dc: Tensor, x_size) -> Tensor:
+    """x's gradient of K_c (y - mean_c) by M's spectrum per bin (``grid``'s operator: the Gram
+    kernel). ``dc``: y's centred sums [B, G, Cog]."""
+    # The zero frequency: sum_c W_ic(0) k_c (Y_c(0) - mean_c |L|), from the centred sums.
+    w_sums = weight.to(torch.float64).sum((2, 3, 4)).unflatten(0, (grid.groups, -1))
+    dc_x = torch.einsum("gic,bgc->gbi", w_sums * k64.unsqueeze(1), dc).to(grid.complex)
+    for start, stop in grid.slabs():
+        xs = grid.x_slab(start, stop)
+        g = torch.matmul(xs, grid.operator_spectrum(start, stop))
+        if start == 0:
+            g[:, 0] = dc_x
+        xs.copy_(g)
+    return grid.x_gradient(x_size)
+
+
+def _x_by_weight(grid: Grid, k: Tensor, dc: Tensor, x_size) -> Tensor:
+    """x's gradient of K_c (y - mean_c) by W's spectrum per bin (``grid``'s operator), twice:
+    Y = W X, then W^H K Y. ``dc``: y's centred sums [B, G, Cog]."""
+    kc = k.to(grid.complex).view(grid.groups, 1, 1, -1)  # on y's [G, F, B, O]
     for start, stop in grid.slabs():
         xs, ws = grid.x_slab(start, stop), grid.operator_spectrum(start, stop)
         y = torch.matmul(xs, ws)
         if start == 0:  # y's batch mean taken out of its zero frequency exactly
-            y = torch.cat([dc.transpose(0, 1).unsqueeze(1).to(y.dtype), y[:, 1:]], dim=1)
+            y[:, 0] = dc.transpose(0, 1)
         # x's gradient spectrum is written over x's slab: once a slab is done its part of
         # x's spectrum is read no more (one spectrum-sized tensor instead of two).
-        xs.copy_(torch.matmul(y * kc, ws.mH))
-    return grid.x_gradient(x.shape[2:])
+        xs.copy_(torch.matmul(y.mul_(kc), ws.mH))
+    return grid.x_gradient(x_size)
 
 
 def k_part(x: Tensor, weight: Tensor, k: Tensor, centered_sums: Tensor, conv: dict,
            compute: torch.dtype, need_x: bool, need_weight: bool):
     """The gradients of K_c (y - mean_c): (x's [B, Ci, *x_size] or None, the weight's or
     None), in ``compute``. ``k``: [C]; ``centered_sums``: sum_o (y - mean) per sample, [B, C].
-    No double backward differentiates this (the route rule takes "aten" there)."""
-    groups = conv["groups"]
+    x's spectrum and R^ come from one op, R^ made whether the weight's gradient is asked for
+    or not (x's alone is the rare case of a frozen weight under a trained layer). x's
+    gradient goes last, through M or W (the cheaper, ``_x_by_gram``), each tensor dropped
+    once it is read no more. No double backward differentiates this (the route rule takes
+    "aten" there)."""
+    groups, kernel = conv["groups"], weight.shape[2:]
     w_hat = _lag_spectrum(weight, groups)
     dc = centered_sums.to(torch.float64).unflatten(1, (groups, -1))  # [B, G, Cog]
-    x_grad = _x_k_part(x, weight, w_hat, k, dc, conv, compute) if need_x else None
-    w_grad = (_weight_k_part(x, weight, w_hat, k, dc, conv).to(compute) if need_weight
+    r_hat, x_spectrum = torch.ops.fused_ops._ct_bn_pool_lag_spectrum(
+        x, weight, dilation=conv["dilation"], groups=groups)  # [.., G, Cig, Cig], [.., B, Ci]
+    w_grad = (_weight_k_part(x, weight, r_hat, w_hat, k, dc, conv).to(compute) if need_weight
               else None)
-    return x_grad, w_grad
+    del r_hat
+    if not need_x:
+        return None, w_grad
+    batch, cig, cog = x.shape[0], x.shape[1] // groups, weight.shape[1]
+    full = _full_size(x, weight, conv["dilation"])
+    k64 = k.to(torch.float64).view(groups, -1)
+    if _x_by_gram(batch, cig, cog, kernel):
+        grid = Grid(x_spectrum, full, conv, _gram_kernel(w_hat, k64, kernel), kernel, cig)
+        del w_hat, x_spectrum
+        return _x_by_gram_kernel(grid, weight, k64, dc, x.shape[2:]), w_grad
+    del w_hat
+    grid = Grid(x_spectrum, full, conv, weight.unflatten(0, (groups, -1)), kernel, 2 * cog)
+    del x_spectrum
+    return _x_by_weight(grid, k, dc, x.shape[2:]), w_grad

@@ -276,14 +276,15 @@ def lag_spectrum_reference(x, kernel, dilation, groups):
                                          groups=2, dilation=(1, 2, 3))),
                                      Problem(0, 4, 6, (3, 4, 5), (2, 3, 2))], ids=Problem.ids)
 def test_lag_spectrum_is_the_centred_cross_correlation(problem, dtype, device):
-    """_ct_bn_pool_lag_spectrum (the spectral backward's R^) against its definition in float64
-    on the same rounded x, far from zero mean (the centring); opcheck."""
+    """_ct_bn_pool_lag_spectrum (the spectral backward's R^, and x's spectrum it is made from)
+    against their definitions in float64 on the same rounded x, far from zero mean (the
+    centring); opcheck."""
     groups, dilation = problem.conv_kwargs.get("groups", 1), problem.triple("dilation", 1)
     x = (make_input(problem, torch.float64) + 3.0).to(dtype).to(device)
     weight = torch.randn(problem.in_channels, problem.out_channels // groups, *problem.kernel,
                          dtype=dtype, device=device)
-    got = torch.ops.fused_ops._ct_bn_pool_lag_spectrum(x, weight, dilation=dilation,
-                                                       groups=groups)
+    got, got_spectrum = torch.ops.fused_ops._ct_bn_pool_lag_spectrum(
+        x, weight, dilation=dilation, groups=groups)
     want = lag_spectrum_reference(x, problem.kernel, dilation, groups)
     assert got.dtype == torch.complex128 and got.shape == want.shape
     # float32 spectra and sums for float32 and bfloat16 x (§3.5): relative to R^'s largest
@@ -291,6 +292,16 @@ def test_lag_spectrum_is_the_centred_cross_correlation(problem, dtype, device):
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     scale = max(want.abs().max().item(), 1.0)
     assert (got - want).abs().max().item() <= tol * scale
+    # x's spectrum on the full output's grid, [n0, n1, n2 // 2 + 1, B, Ci], complex in the
+    # compute dtype; relative to its largest entry (float32's rounding of x's DFT).
+    full = [x.shape[2 + d] + dilation[d] * (problem.kernel[d] - 1) for d in range(3)]
+    assert got_spectrum.shape == (*full[:2], full[2] // 2 + 1, *x.shape[:2])
+    assert got_spectrum.dtype == (torch.complex128 if dtype == torch.float64
+                                  else torch.complex64)
+    if x.shape[0]:  # an FFT of no sample is refused
+        want_spectrum = torch.fft.rfftn(x.double(), s=full, dim=(2, 3, 4)).permute(2, 3, 4, 0, 1)
+        error = (got_spectrum.to(torch.complex128) - want_spectrum).abs().max().item()
+        assert error <= (1e-13 if dtype == torch.float64 else 1e-6) * want_spectrum.abs().max().item()
     torch.library.opcheck(torch.ops.fused_ops._ct_bn_pool_lag_spectrum.default, (x, weight),
                           dict(dilation=dilation, groups=groups))
 

@@ -320,11 +320,13 @@ void lag_stage_aten(const at::Tensor& q, const at::Tensor& coef, at::Tensor& out
   }
 }
 
-at::Tensor x_lag_spectrum(const Backend& backend, const at::Tensor& x, const ConvGeometry& g) {
+std::tuple<at::Tensor, at::Tensor> x_lag_spectrum(const Backend& backend, const at::Tensor& x,
+                                                  const ConvGeometry& g) {
   const ConvGeometry sub = phase_geometry(g);
   const Tables tables = tables_for(backend, g, sub, x);
-  return correlation_spectrum(backend, x_spectrum(x, sub.out_size, backend.spectrum_kernels), sub.out_size,
-                              tables, g.groups);
+  at::Tensor x_spec = x_spectrum(x, sub.out_size, backend.spectrum_kernels);
+  at::Tensor lags = correlation_spectrum(backend, x_spec, sub.out_size, tables, g.groups);
+  return {std::move(lags), std::move(x_spec)};
 }
 
 at::Tensor energy_cross_spectrum(const Backend& backend, const at::Tensor& x,
