@@ -102,6 +102,33 @@ def _bases(full, taps, positions, dilation, complex_dtype, device) -> list:
     return bases
 
 
+# The bases by geometry, dtype and device: about 36 ATen ops to build, the same for every call of
+# a geometry. Kept as the C++ table cache keeps its tables (csrc/common/table_cache.h): at most
+# _MAX_BASES geometries (past them a call builds its own), built complete before they are kept
+# (so that any stream may read them) and never kept while a CUDA graph is being captured (whose
+# memory pool would own them) or a graph traced (fake and functional tensors, subclasses of
+# Tensor): then the call builds them for itself.
+_BASES = {}
+_MAX_BASES = 64
+
+
+def _kept_bases(full, taps, positions, dilation, like: Tensor) -> list:
+    """``_bases`` for x's spectrum ``like`` (its dtype and device)."""
+    key = (tuple(full), tuple(taps), tuple(positions), tuple(dilation), like.dtype, like.device)
+    plain = type(like) is Tensor
+    if plain and key in _BASES:
+        return _BASES[key]
+    bases = _bases(full, taps, positions, dilation, like.dtype, like.device)
+    if not plain or len(_BASES) >= _MAX_BASES:
+        return bases
+    if like.is_cuda:
+        if torch.cuda.is_current_stream_capturing():
+            return bases
+        torch.cuda.current_stream(like.device).synchronize()
+    _BASES[key] = bases
+    return bases
+
+
 class Grid:
     """x's spectrum on the full output's grid, and an operator's (a kernel of taps, or of lags
     wrapped on their grid, ``_bases``) on the same frequencies, slab by slab. Layouts are
@@ -118,8 +145,7 @@ class Grid:
         self.complex = x_spectrum.dtype
         self.x_spectrum = x_spectrum
         taps = operator.shape[3:]
-        self.bases = _bases(full, taps, positions, conv["dilation"], self.complex,
-                            x_spectrum.device)
+        self.bases = _kept_bases(full, taps, positions, conv["dilation"], x_spectrum)
         self.plane = x_spectrum.shape[1] * x_spectrum.shape[2]  # bins per row
         self.columns = operator.shape[1:3]
         self.taps = tuple(taps)

@@ -246,6 +246,27 @@ def test_training_backward_routes_match_float64(route, problem, dtypes, device, 
     assert_gradients_match(got, want, GRAD_TOL[conv_dtype])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_spectral_route_builds_its_bases_once_per_geometry(device, monkeypatch):
+    """The spectral route's DFT bases depend on the geometry alone (kept per geometry, dtype
+    and device): from an empty store, the first step builds them, the second reads them."""
+    built = []
+    build = fused_ops._spectral_backward._bases
+    monkeypatch.setattr(fused_ops._spectral_backward, "_BASES", {})
+    monkeypatch.setattr(fused_ops._spectral_backward, "_bases",
+                        lambda *args: built.append(args) or build(*args))
+    fused = fused_ops.ConvTransposeBNPool3d(3, 4, (2, 3, 2), 2.0).to(device)
+    x = torch.randn(2, 3, 3, 4, 5, device=device, requires_grad=True)
+    with fused_ops.testing.route(backward="spectral"):
+        fused(x).sum().backward()
+        assert len(built) == 1
+        first = x.grad.clone()
+        x.grad = None
+        fused(x).sum().backward()
+    assert len(built) == 1
+    torch.testing.assert_close(x.grad, first)
+
+
 def lag_spectrum_reference(x, kernel, dilation, groups):
     """_ct_bn_pool_lag_spectrum in float64 from its definition (docs/math.md §3.5, §6.2.2):
     R[j, i, d] = sum_b sum_p x[b, j, p] x[b, i, p + d dil] by an FFT on the full grid, less
