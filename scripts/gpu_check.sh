@@ -90,7 +90,8 @@ fi
 if want profile; then
   step profile
   (python3 scripts/profile_seed.py eval && python3 scripts/profile_seed.py train &&
-    python3 scripts/profile_seed.py eval channels_last_3d) 2>&1 | tee "$OUT/profile.log" || status=1
+    python3 scripts/profile_seed.py step && python3 scripts/profile_seed.py eval channels_last_3d) 2>&1 |
+    tee "$OUT/profile.log" || status=1
 fi
 if want ncu; then
   step ncu

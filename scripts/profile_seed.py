@@ -1,7 +1,12 @@
 """Per-kernel GPU times of the fused op on a bench problem (torch.profiler), for tuning.
 
-    python scripts/profile_seed.py [eval|train] [contiguous|channels_last_3d] [algo] [host|wall|ranges]
-        [--problem NAME] [--no-overlap]
+    python scripts/profile_seed.py [eval|train|step] [contiguous|channels_last_3d] [algo] [host|wall|ranges]
+        [--problem NAME] [--no-overlap] [--backward ROUTE]
+
+step: a training step (the forward with gradients for x and the parameters, then the backward
+of a fixed output gradient) instead of a forward under no_grad; --backward forces its route
+(fused_ops.testing.route(backward=ROUTE)). The kernel table also gives the share of the calls'
+span in which the GPU ran a kernel: the rest is the GPU waiting for the host.
 
 NAME is one of bench/bench_ct_bn_pool.py's CUDA problems (default: seed). --no-overlap runs
 under fused_ops.testing.route(overlap="off") (csrc/common/cuda/pdl.cuh): the kernels that are
@@ -35,6 +40,11 @@ overlap = "auto"
 if "--no-overlap" in argv:
     argv.remove("--no-overlap")
     overlap = "off"
+backward = "auto"
+if "--backward" in argv:
+    at = argv.index("--backward")
+    backward = argv[at + 1]
+    del argv[at:at + 2]
 problem = "seed"
 if "--problem" in argv:
     at = argv.index("--problem")
@@ -50,12 +60,22 @@ algo = sys.argv[3] if len(sys.argv) > 3 else "auto"
 host = len(sys.argv) > 4 and sys.argv[4] == "host"
 wall = len(sys.argv) > 4 and sys.argv[4] == "wall"
 ranges = len(sys.argv) > 4 and sys.argv[4] == "ranges"
-m = fused_ops.ConvTransposeBNPool3d(c_in, c_out, kernel, 2.0, **conv_options(problem),
-                                    algo=algo).cuda().train(mode == "train")
+module = fused_ops.ConvTransposeBNPool3d(c_in, c_out, kernel, 2.0, **conv_options(problem),
+                                         algo=algo).cuda().train(mode != "eval")
 xs = [torch.randn(batch, c_in, *size, device="cuda").contiguous(memory_format=memory_format)
       for _ in range(6)]
 calls = 30 if mode == "eval" else 10
-with torch.no_grad(), fused_ops.testing.route(overlap=overlap):
+grad_out = torch.randn(batch, c_out, 1, 1, 1, device="cuda")
+
+
+def step(x):
+    module.zero_grad(set_to_none=True)
+    module(x.detach().requires_grad_()).backward(grad_out)
+
+
+m = step if mode == "step" else module
+grad_mode = torch.enable_grad() if mode == "step" else torch.no_grad()
+with grad_mode, fused_ops.testing.route(overlap=overlap, backward=backward):
     for x in xs:
         m(x)
     torch.cuda.synchronize()
@@ -124,6 +144,14 @@ else:  # one line per kernel: its GPU time per call, launches per call, name
     kernels = [e for e in events if e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in kernels) / calls
     print(f"GPU time {total:.1f} us per call, {sum(e.count for e in kernels) / calls:.0f} kernels per call")
+    ranges_us = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, reach = 0.0, ranges_us[0][0]
+    for start, end in ranges_us:  # the union of the kernels' intervals
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    span = reach - ranges_us[0][0]
+    print(f"GPU busy {busy / span:.0%} of the calls' span ({span / calls:.1f} us per call)")
     print(f"{'us/call':>8} {'n/call':>6}  kernel")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:40]:
         print(f"{e.self_device_time_total / calls:8.1f} {e.count / calls:6.1f}  {e.key[:110]}")
