@@ -267,6 +267,24 @@ def test_spectral_route_builds_its_bases_once_per_geometry(device, monkeypatch):
     torch.testing.assert_close(x.grad, first)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_spectral_route_inverts_by_slices_of_the_batch(device, monkeypatch):
+    """Grid.x_gradient (the spectral route's inverse FFT, cropped to x) by slices of two
+    samples of a batch of five, the last slice partial, against one inverse FFT."""
+    full, x_size = [5, 6, 7], (3, 4, 5)
+    g = torch.randn(5, 3, *full, dtype=torch.float64, device=device)
+    spectrum = torch.fft.rfftn(g, dim=(2, 3, 4)).permute(2, 3, 4, 0, 1).contiguous()
+    sb = fused_ops._spectral_backward
+    per_sample = 3 * full[0] * full[1] * (full[2] // 2 + 1) * spectrum.element_size() * 2
+    monkeypatch.setattr(sb, "SLAB_BYTES", 2 * per_sample)
+    conv = dict(groups=1, dilation=(1, 1, 1))
+    grid = sb.Grid(spectrum, full, conv, torch.ones(1, 1, 1, 1, 1, 1, dtype=torch.float64),
+                   (1, 1, 1), 0)
+    got = grid.x_gradient(x_size)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, g[:, :, :3, :4, :5], rtol=1e-12, atol=1e-12)
+
+
 def lag_spectrum_reference(x, kernel, dilation, groups):
     """_ct_bn_pool_lag_spectrum in float64 from its definition (docs/math.md §3.5, §6.2.2):
     R[j, i, d] = sum_b sum_p x[b, j, p] x[b, i, p + d dil] by an FFT on the full grid, less
