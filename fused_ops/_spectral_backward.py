@@ -102,8 +102,8 @@ def _bases(full, taps, positions, dilation, complex_dtype, device) -> list:
     return bases
 
 
-# The bases by geometry, dtype and device: about 36 ATen ops to build, the same for every call of
-# a geometry. Kept as the C++ table cache keeps its tables (csrc/common/table_cache.h): at most
+# The bases by geometry, dtype and device: a dozen ATen ops per dimension to build, the same for
+# every call of a geometry. Kept as the C++ table cache keeps its tables (csrc/common/table_cache.h): at most
 # _MAX_BASES geometries (past them a call builds its own), built complete before they are kept
 # (so that any stream may read them) and never kept while a CUDA graph is being captured (whose
 # memory pool would own them) or a graph traced (fake and functional tensors, subclasses of
