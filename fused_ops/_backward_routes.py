@@ -78,7 +78,7 @@ def chosen(conv: dict, weight: Tensor, x: Tensor, can_keep: bool = False,
     # The CPU: the forward's statistics cost a convolution there, so keeping its output
     # spares the backward's; "gram" beats that where its work is small against the
     # convolution's (measured from the statistics the forward keeps, and without them);
-    # "spectral" nowhere (measured against "kept": at best even, on the largest problem).
+    # "spectral" nowhere (measured against "kept": it lost on every CPU problem measured).
     if _gram_backward.supported(conv, weight) and (
             _gram_backward.pays(weight, x, conv["groups"]) if has_statistics
             else _gram_backward.cheaper(weight, conv["groups"])):
