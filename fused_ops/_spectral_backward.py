@@ -103,11 +103,11 @@ def _bases(full, taps, positions, dilation, complex_dtype, device) -> list:
 
 
 # The bases by geometry, dtype and device: a dozen ATen ops per dimension to build, the same for
-# every call of a geometry. Kept as the C++ table cache keeps its tables (csrc/common/table_cache.h): at most
-# _MAX_BASES geometries (past them a call builds its own), built complete before they are kept
-# (so that any stream may read them) and never kept while a CUDA graph is being captured (whose
-# memory pool would own them) or a graph traced (fake and functional tensors, subclasses of
-# Tensor): then the call builds them for itself.
+# every call of a geometry. Kept as the C++ table cache keeps its tables
+# (csrc/common/table_cache.h): at most _MAX_BASES geometries (past them a call builds its own),
+# built complete before they are kept (so that any stream may read them) and never kept while a
+# CUDA graph is being captured (whose memory pool would own them) or a graph traced (fake and
+# functional tensors, subclasses of Tensor): then the call builds them for itself.
 _BASES = {}
 _MAX_BASES = 64
 
@@ -150,8 +150,8 @@ class Grid:
         self.columns = operator.shape[1:3]
         self.taps = tuple(taps)
         # The taps first, each column after: [t0, t1, t2, G * I * O].
-        real = torch.float64 if self.complex == torch.complex128 else torch.float32
-        self.operator = operator.to(real).permute(3, 4, 5, 0, 1, 2).flatten(3).to(self.complex)
+        self.real = torch.float64 if self.complex == torch.complex128 else torch.float32
+        self.operator = operator.to(self.real).permute(3, 4, 5, 0, 1, 2).flatten(3).to(self.complex)
         batch, channels = x_spectrum.shape[3:]
         per_row = self.plane * x_spectrum.element_size() * self.groups * (
             self.columns[0] * self.columns[1] + batch * channels // self.groups + extra_columns)
@@ -183,8 +183,7 @@ class Grid:
         slices of the batch, so that the inverse FFT's copy of its input and its output on the
         full grid are a slice's, not two more spectrum-sized tensors."""
         batch, channels = self.x_spectrum.shape[3:]
-        real = torch.float64 if self.complex == torch.complex128 else torch.float32
-        out = self.x_spectrum.new_empty((batch, channels, *x_size), dtype=real)
+        out = self.x_spectrum.new_empty((batch, channels, *x_size), dtype=self.real)
         # Per sample: the input's copy (complex) and the output (real, the full grid's).
         per_sample = channels * self.full[0] * self.plane * self.x_spectrum.element_size() * 2
         step = max(1, min(batch, SLAB_BYTES // max(per_sample, 1)))
